@@ -1,0 +1,153 @@
+// Package configfile provides the pieces every encgate YAML file shares:
+// strict decoding (an unknown key is an error that names it), human units for
+// durations ("250ms") and byte sizes ("8MiB"), and field-path validation
+// errors ("encoders[1].url: ...") collected with errors.Join.
+package configfile
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// Load reads path and decodes it strictly into dst, which should already hold
+// the defaults: keys absent from the file keep them.
+func Load(path string, dst any) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("reading config: %w", err)
+	}
+	return Decode(data, dst)
+}
+
+// Decode decodes YAML data strictly into dst. An empty document leaves dst
+// unchanged; more than one document is an error.
+func Decode(data []byte, dst any) error {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(dst); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		return fmt.Errorf("parsing config: %w", err)
+	}
+	var extra any
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		return errors.New("parsing config: more than one YAML document")
+	}
+	return nil
+}
+
+// Duration is a time.Duration written in YAML as a Go duration string
+// ("250ms", "5s", "4m").
+type Duration time.Duration
+
+// D returns d as a time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+// String formats d like time.Duration.
+func (d Duration) String() string { return time.Duration(d).String() }
+
+// UnmarshalYAML accepts a Go duration string.
+func (d *Duration) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode {
+		return fmt.Errorf("line %d: want a duration such as 250ms or 5s", n.Line)
+	}
+	v, err := time.ParseDuration(n.Value)
+	if err != nil {
+		return fmt.Errorf("line %d: %q is not a duration (want e.g. 250ms, 5s, 4m)", n.Line, n.Value)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalYAML writes d as a duration string.
+func (d Duration) MarshalYAML() (any, error) { return d.String(), nil }
+
+// ByteSize is a size in bytes, written in YAML as a plain integer or with a
+// unit: B, KB/MB/GB (powers of 1000) or KiB/MiB/GiB (powers of 1024).
+type ByteSize int64
+
+var byteUnits = []struct {
+	suffix string
+	mult   int64
+}{
+	{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
+	{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+	{"B", 1},
+}
+
+// ParseByteSize parses "8MiB", "64KB", "1024" and the like.
+func ParseByteSize(s string) (ByteSize, error) {
+	s = strings.TrimSpace(s)
+	mult := int64(1)
+	num := s
+	for _, u := range byteUnits {
+		if strings.HasSuffix(s, u.suffix) {
+			mult, num = u.mult, strings.TrimSpace(strings.TrimSuffix(s, u.suffix))
+			break
+		}
+	}
+	n, err := strconv.ParseInt(num, 10, 64)
+	if err != nil || n < 0 || (mult > 1 && n > (1<<62)/mult) {
+		return 0, fmt.Errorf("%q is not a byte size (want e.g. 8MiB, 64KiB, 1048576)", s)
+	}
+	return ByteSize(n * mult), nil
+}
+
+// UnmarshalYAML accepts an integer or a number with a unit.
+func (b *ByteSize) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode {
+		return fmt.Errorf("line %d: want a byte size such as 8MiB", n.Line)
+	}
+	v, err := ParseByteSize(n.Value)
+	if err != nil {
+		return fmt.Errorf("line %d: %w", n.Line, err)
+	}
+	*b = v
+	return nil
+}
+
+// String formats b with the largest binary unit that divides it exactly.
+func (b ByteSize) String() string {
+	for _, u := range []struct {
+		s string
+		m int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+		if b != 0 && int64(b)%u.m == 0 {
+			return strconv.FormatInt(int64(b)/u.m, 10) + u.s
+		}
+	}
+	return strconv.FormatInt(int64(b), 10)
+}
+
+// MarshalYAML writes b with a unit.
+func (b ByteSize) MarshalYAML() (any, error) { return b.String(), nil }
+
+// Problems collects validation problems, each prefixed with its field path.
+// The zero value is ready to use.
+type Problems struct {
+	errs []error
+}
+
+// Addf records a problem at path.
+func (p *Problems) Addf(path, format string, args ...any) {
+	p.errs = append(p.errs, fmt.Errorf("%s: %s", path, fmt.Sprintf(format, args...)))
+}
+
+// Positive records a problem when d is not > 0.
+func (p *Problems) Positive(path string, d Duration) {
+	if d <= 0 {
+		p.Addf(path, "must be > 0, got %s", d)
+	}
+}
+
+// Err returns all problems joined, or nil.
+func (p *Problems) Err() error { return errors.Join(p.errs...) }

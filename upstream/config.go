@@ -1,0 +1,139 @@
+package upstream
+
+import (
+	"net/url"
+	"strings"
+
+	"github.com/encgate/encgate/internal/configfile"
+)
+
+// EncoderConfig names one encoder of the fleet.
+type EncoderConfig struct {
+	// Name labels the encoder in metrics, logs and the admin API. It is also
+	// its rendezvous-hash identity: renaming an encoder moves its req_ids.
+	Name string `yaml:"name"`
+	// URL is the encoder's base URL, http://host:port (https also works).
+	URL string `yaml:"url"`
+}
+
+// AffinityConfig controls how req_ids stay on the encoder that holds them.
+type AffinityConfig struct {
+	// PinTTL is how long req_id -> encoder is remembered (default 240s, longer
+	// than sglang's 180s send timeout plus its 45s sweep).
+	PinTTL configfile.Duration `yaml:"pin_ttl"`
+	// UnknownWait is how long a follow-up waits for its /encode's pin before
+	// it routes by rendezvous order (default 5s, as sglang's DP dispatcher).
+	UnknownWait configfile.Duration `yaml:"unknown_wait"`
+	// MaxPins bounds the pin table (default 1,000,000); past it the entries
+	// nearest to expiry in a shard make room, counted in a metric.
+	MaxPins int `yaml:"max_pins"`
+}
+
+// ClientConfig controls the gateway's connections to encoders.
+type ClientConfig struct {
+	// ConnectTimeout bounds a TCP connect to an encoder (default 5s).
+	ConnectTimeout configfile.Duration `yaml:"connect_timeout"`
+	// Timeout bounds one upstream exchange (default 1800s, sglang's
+	// SGLANG_ENCODER_HTTP_TIMEOUT: /encode may legitimately block 180s).
+	Timeout configfile.Duration `yaml:"timeout"`
+	// IdleConnTimeout closes pooled connections idle this long (default 4s,
+	// below uvicorn's 5s keep-alive so the gateway never reuses a connection
+	// the encoder is closing).
+	IdleConnTimeout configfile.Duration `yaml:"idle_conn_timeout"`
+	// MaxConnsPerEncoder bounds open connections to one encoder (default 1024).
+	MaxConnsPerEncoder int `yaml:"max_conns_per_encoder"`
+	// MaxResponseBytes bounds an encoder's response body (default 64MiB).
+	MaxResponseBytes configfile.ByteSize `yaml:"max_response_bytes"`
+}
+
+// DefaultAffinity returns the affinity defaults.
+func DefaultAffinity() AffinityConfig {
+	return AffinityConfig{
+		PinTTL:      configfile.Duration(240e9),
+		UnknownWait: configfile.Duration(5e9),
+		MaxPins:     1_000_000,
+	}
+}
+
+// DefaultClient returns the client defaults.
+func DefaultClient() ClientConfig {
+	return ClientConfig{
+		ConnectTimeout:     configfile.Duration(5e9),
+		Timeout:            configfile.Duration(1800e9),
+		IdleConnTimeout:    configfile.Duration(4e9),
+		MaxConnsPerEncoder: 1024,
+		MaxResponseBytes:   64 << 20,
+	}
+}
+
+// ValidateEncoders checks the encoder list; path is its field path.
+func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig) {
+	if len(encs) == 0 {
+		p.Addf(path, "at least one encoder is required")
+	}
+	names := map[string]int{}
+	urls := map[string]int{}
+	for i, e := range encs {
+		at := path + "[" + itoa(i) + "]"
+		switch {
+		case e.Name == "":
+			p.Addf(at+".name", "must not be empty")
+		case strings.ContainsAny(e.Name, " \t\n\"{}"):
+			p.Addf(at+".name", "%q must not contain spaces, quotes or braces", e.Name)
+		}
+		if j, dup := names[e.Name]; dup && e.Name != "" {
+			p.Addf(at+".name", "%q is already used by %s[%d]", e.Name, path, j)
+		}
+		names[e.Name] = i
+		if err := checkURL(e.URL); err != "" {
+			p.Addf(at+".url", "%s", err)
+		} else if j, dup := urls[e.URL]; dup {
+			p.Addf(at+".url", "%q is already used by %s[%d]", e.URL, path, j)
+		}
+		urls[e.URL] = i
+	}
+}
+
+func checkURL(raw string) string {
+	if raw == "" {
+		return "must not be empty"
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "not a URL: " + err.Error()
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return "scheme must be http or https, got " + quote(u.Scheme)
+	}
+	if u.Host == "" || u.Port() == "" {
+		return "must be http(s)://host:port, got " + quote(raw)
+	}
+	if (u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.User != nil {
+		return "must be a base URL without path, query or credentials, got " + quote(raw)
+	}
+	return ""
+}
+
+// Validate checks the affinity settings.
+func (c AffinityConfig) Validate(p *configfile.Problems, path string) {
+	p.Positive(path+".pin_ttl", c.PinTTL)
+	if c.UnknownWait < 0 {
+		p.Addf(path+".unknown_wait", "must be >= 0, got %s", c.UnknownWait)
+	}
+	if c.MaxPins < 1 {
+		p.Addf(path+".max_pins", "must be >= 1, got %d", c.MaxPins)
+	}
+}
+
+// Validate checks the client settings.
+func (c ClientConfig) Validate(p *configfile.Problems, path string) {
+	p.Positive(path+".connect_timeout", c.ConnectTimeout)
+	p.Positive(path+".timeout", c.Timeout)
+	p.Positive(path+".idle_conn_timeout", c.IdleConnTimeout)
+	if c.MaxConnsPerEncoder < 1 {
+		p.Addf(path+".max_conns_per_encoder", "must be >= 1, got %d", c.MaxConnsPerEncoder)
+	}
+	if c.MaxResponseBytes < 1024 {
+		p.Addf(path+".max_response_bytes", "must be >= 1KiB, got %s", c.MaxResponseBytes)
+	}
+}

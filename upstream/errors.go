@@ -1,0 +1,34 @@
+package upstream
+
+import (
+	"errors"
+	"strconv"
+)
+
+// ErrNoEncoder means no configured encoder is usable for the request.
+var ErrNoEncoder = errors.New("upstream: no usable encoder")
+
+// DialError is a failure to connect to an encoder: nothing of the request was
+// written, so the request can safely go elsewhere or be retried.
+type DialError struct {
+	Encoder string
+	Err     error
+}
+
+func (e *DialError) Error() string {
+	return "dial encoder " + e.Encoder + ": " + e.Err.Error()
+}
+
+// Unwrap returns the cause.
+func (e *DialError) Unwrap() error { return e.Err }
+
+// UnknownEncoderError means a pin names an encoder that is no longer
+// configured (removed by a reload): its staged state cannot be reached.
+type UnknownEncoderError struct{ Name string }
+
+func (e *UnknownEncoderError) Error() string {
+	return "upstream: encoder " + strconv.Quote(e.Name) + " holding this req_id is no longer configured"
+}
+
+func itoa(i int) string     { return strconv.Itoa(i) }
+func quote(s string) string { return strconv.Quote(s) }
