@@ -1,0 +1,385 @@
+// Package demo runs encgate's embedded default: a local fleet of fake sglang
+// encoders behind one gateway, driven by an sglang-like workload, with a
+// readable summary. It is what `encgate demo` runs.
+package demo
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/gateway"
+	"github.com/encgate/encgate/upstream"
+)
+
+// Options shape the workload. Zero values take the defaults shown.
+type Options struct {
+	Encoders    int // fake encoders (default 3)
+	Requests    int // user requests (default 40)
+	Parts       int // parts per request, as sglang splits media across --encoder-urls (default 3)
+	ReceiverTP  int // receiver TP ranks, each calling metadata and /send (default 2)
+	Concurrency int // requests in flight (default 8)
+	FailEvery   int // every Nth request's part 0 has media that fails to load (default 10; <0 none)
+	Log         *zap.Logger
+}
+
+func (o *Options) defaults() {
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&o.Encoders, 3)
+	def(&o.Requests, 40)
+	def(&o.Parts, 3)
+	def(&o.ReceiverTP, 2)
+	def(&o.Concurrency, 8)
+	def(&o.FailEvery, 10)
+	if o.Log == nil {
+		o.Log = zap.NewNop()
+	}
+}
+
+// Result is what the demo saw, for tests and the summary.
+type Result struct {
+	Calls       map[string]*RouteStats // by route path
+	PerEncoder  map[string]int         // /encode calls each encoder received
+	PartsServed map[string]int         // part ids each encoder saw
+	Received    map[string]int64       // calls the encoders received, by route
+	SplitParts  int                    // part ids seen by more than one encoder (must be 0)
+	Pins        int
+	Errors      map[string]int // "status route: message" -> count
+}
+
+// RouteStats counts the answers callers got on one route.
+type RouteStats struct {
+	Calls   int
+	OK      int
+	Failed  int
+	Latency []time.Duration
+}
+
+// Run starts the fleet and the gateway, drives the workload, prints the
+// summary to w and stops everything. It returns an error when an invariant
+// (affinity, answers) does not hold.
+func Run(ctx context.Context, w io.Writer, opts Options) error {
+	opts.defaults()
+	fleet, err := startFleet(opts.Encoders)
+	if err != nil {
+		return err
+	}
+	defer fleet.close()
+	gw, err := startGateway(fleet, opts.Log)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = gw.Shutdown(sctx)
+	}()
+	fmt.Fprintf(w, "encgate demo: %d fake encoders behind one gateway at http://%s (admin http://%s)\n",
+		opts.Encoders, gw.Addr(), gw.AdminAddr())
+	fmt.Fprintf(w, "workload: %d requests x %d parts, receiver TP=%d; follow-ups race their /encode as in sglang\n\n",
+		opts.Requests, opts.Parts, opts.ReceiverTP)
+	d := newDriver("http://"+gw.Addr(), opts)
+	start := time.Now()
+	d.run(ctx)
+	res := d.result(fleet, gw.Pool())
+	printSummary(w, res, time.Since(start), opts)
+	return res.check(opts)
+}
+
+type fleet struct{ encs []*fakeencoder.Encoder }
+
+func startFleet(n int) (*fleet, error) {
+	f := &fleet{}
+	for i := 0; i < n; i++ {
+		e := fakeencoder.New(fakeencoder.Options{
+			Name:          fmt.Sprintf("enc-%c", 'a'+i),
+			Mode:          fakeencoder.ModeMooncake,
+			EncodeLatency: 5 * time.Millisecond,
+			Faults:        fakeencoder.Faults{MetadataDelay: 2 * time.Millisecond},
+		})
+		if err := e.Start("127.0.0.1:0"); err != nil {
+			f.close()
+			return nil, err
+		}
+		f.encs = append(f.encs, e)
+	}
+	return f, nil
+}
+
+func (f *fleet) close() {
+	for _, e := range f.encs {
+		_ = e.Close()
+	}
+}
+
+func startGateway(f *fleet, log *zap.Logger) (*gateway.Server, error) {
+	cfg := gateway.DefaultConfig()
+	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+	for _, e := range f.encs {
+		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL()})
+	}
+	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: prometheus.NewRegistry()})
+	if err != nil {
+		return nil, err
+	}
+	return gw, gw.Start()
+}
+
+// driver plays sglang's language-only server: the tokenizer posts /encode
+// per part while every scheduler rank pulls metadata and posts /send.
+type driver struct {
+	base   string
+	opts   Options
+	client *http.Client
+
+	mu     sync.Mutex // protects calls and errors
+	calls  map[string]*RouteStats
+	errors map[string]int
+}
+
+func newDriver(base string, opts Options) *driver {
+	return &driver{
+		base: base, opts: opts,
+		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}, Timeout: 30 * time.Second},
+		calls:  map[string]*RouteStats{}, errors: map[string]int{},
+	}
+}
+
+func (d *driver) run(ctx context.Context) {
+	sem := make(chan struct{}, d.opts.Concurrency)
+	var wg sync.WaitGroup
+	for i := 0; i < d.opts.Requests; i++ {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			d.request(ctx, i)
+		}()
+	}
+	wg.Wait()
+}
+
+// request runs one user request: every part concurrently.
+func (d *driver) request(ctx context.Context, i int) {
+	rid := fmt.Sprintf("demo-%04d", i)
+	var wg sync.WaitGroup
+	var offset int64
+	for k := 0; k < d.opts.Parts; k++ {
+		part := fmt.Sprintf("%s_local_part_%d", rid, k)
+		media := fmt.Sprintf(`"https://example.com/img-%d-%d.png"`, i, k)
+		if d.opts.FailEvery > 0 && i%d.opts.FailEvery == 0 && k == 0 {
+			media = fmt.Sprintf(`"fail:400:Error while loading data https://example.com/missing-%d.png: 404 Not Found"`, i)
+		}
+		wg.Add(1)
+		go func(base int64) {
+			defer wg.Done()
+			d.part(ctx, part, k, media, base)
+		}(offset)
+		offset += 1 << 20
+	}
+	wg.Wait()
+}
+
+// part drives one part id: the ranks start first, as sglang's schedulers
+// often do, so their follow-ups wait in the gateway for the /encode's pin.
+func (d *driver) part(ctx context.Context, part string, k int, media string, bufBase int64) {
+	var wg sync.WaitGroup
+	for r := 0; r < d.opts.ReceiverTP; r++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			meta := fmt.Sprintf(`{"req_id":%q,"part_idx":%d}`, part, k)
+			if _, ok := d.post(ctx, "/scheduler_receive_meta_data", meta); !ok {
+				return
+			}
+			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
+				`"session_id":"127.0.0.1:17000","buffer_address":%d,"receive_count":%d}`,
+				part, k, 41000+r, 140737488355328+int64(r)<<32+bufBase, d.opts.ReceiverTP)
+			d.post(ctx, "/send", send)
+		}()
+	}
+	enc := fmt.Sprintf(`{"req_id":%q,"mm_items":[%s],"modality":"IMAGE","num_parts":%d,"part_idx":%d,`+
+		`"prefill_host":"127.0.0.1","embedding_port":null}`, part, media, d.opts.Parts, k)
+	_, encoded := d.post(ctx, "/encode", enc)
+	wg.Wait()
+	if !encoded {
+		// A late rank asks again after the failure: the gateway answers it
+		// from the remembered /encode, without a round trip.
+		d.post(ctx, "/scheduler_receive_meta_data", fmt.Sprintf(`{"req_id":%q,"part_idx":%d}`, part, k))
+	}
+}
+
+func (d *driver) post(ctx context.Context, path, body string) ([]byte, bool) {
+	start := time.Now()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.base+path, strings.NewReader(body))
+	if err != nil {
+		d.record(path, 0, err.Error(), 0)
+		return nil, false
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := d.client.Do(req)
+	if err != nil {
+		d.record(path, 0, err.Error(), time.Since(start))
+		return nil, false
+	}
+	defer resp.Body.Close()
+	out, _ := io.ReadAll(resp.Body)
+	msg := ""
+	if resp.StatusCode != http.StatusOK {
+		msg = envelopeMessage(out)
+	}
+	d.record(path, resp.StatusCode, msg, time.Since(start))
+	return out, resp.StatusCode == http.StatusOK
+}
+
+func (d *driver) record(path string, status int, msg string, lat time.Duration) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	rs := d.calls[path]
+	if rs == nil {
+		rs = &RouteStats{}
+		d.calls[path] = rs
+	}
+	rs.Calls++
+	rs.Latency = append(rs.Latency, lat)
+	if status == http.StatusOK {
+		rs.OK++
+		return
+	}
+	rs.Failed++
+	d.errors[fmt.Sprintf("%d %s: %s", status, path, msg)]++
+}
+
+func envelopeMessage(body []byte) string {
+	const key = `"message":"`
+	i := bytes.Index(body, []byte(key))
+	if i < 0 {
+		return strings.TrimSpace(string(body))
+	}
+	rest := body[i+len(key):]
+	if j := bytes.IndexByte(rest, '"'); j >= 0 {
+		rest = rest[:j]
+	}
+	m := string(rest)
+	// Group per-request messages into one kind.
+	if k := strings.Index(m, "https://"); k >= 0 {
+		m = m[:k] + "…"
+	}
+	return m
+}
+
+func (d *driver) result(f *fleet, pool *upstream.Pool) *Result {
+	res := &Result{Calls: d.calls, PerEncoder: map[string]int{}, PartsServed: map[string]int{},
+		Received: map[string]int64{}, Errors: d.errors, Pins: pool.Pins.Len()}
+	seen := map[string]int{}
+	for _, e := range f.encs {
+		st := e.Stats()
+		res.PerEncoder[st.Name] = int(st.Routes["/encode"])
+		for route, n := range st.Routes {
+			res.Received[route] += n
+		}
+		for rid := range st.ReqIDs {
+			seen[rid]++
+			res.PartsServed[st.Name]++
+		}
+	}
+	for _, n := range seen {
+		if n > 1 {
+			res.SplitParts++
+		}
+	}
+	return res
+}
+
+func (r *Result) check(o Options) error {
+	if r.SplitParts > 0 {
+		return fmt.Errorf("affinity broken: %d part ids reached more than one encoder", r.SplitParts)
+	}
+	want := o.Requests * o.Parts
+	if got := r.Calls["/encode"]; got == nil || got.Calls != want {
+		return fmt.Errorf("expected %d /encode answers", want)
+	}
+	for kind := range r.Errors {
+		if !strings.Contains(kind, "Error while loading data") {
+			return fmt.Errorf("unexpected error kind %q", kind)
+		}
+	}
+	if r.answeredByGateway() == 0 && o.FailEvery > 0 {
+		return fmt.Errorf("no follow-up of a failed /encode was answered by the gateway")
+	}
+	return nil
+}
+
+// answeredByGateway counts follow-ups the gateway answered itself: calls
+// made minus calls the encoders received.
+func (r *Result) answeredByGateway() int {
+	n := 0
+	for _, p := range []string{"/scheduler_receive_meta_data", "/send"} {
+		if rs := r.Calls[p]; rs != nil {
+			n += rs.Calls - int(r.Received[p])
+		}
+	}
+	return n
+}
+
+func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
+	fmt.Fprintf(w, "%-30s %7s %7s %8s %9s %9s\n", "route", "calls", "200", "non-200", "p50", "p99")
+	paths := []string{"/encode", "/scheduler_receive_meta_data", "/send"}
+	for _, p := range paths {
+		rs := r.Calls[p]
+		if rs == nil {
+			continue
+		}
+		fmt.Fprintf(w, "%-30s %7d %7d %8d %9s %9s\n", p, rs.Calls, rs.OK, rs.Failed,
+			pct(rs.Latency, 0.50), pct(rs.Latency, 0.99))
+	}
+	fmt.Fprintf(w, "\nper encoder (/encode calls, part ids served):")
+	names := make([]string, 0, len(r.PerEncoder))
+	for n := range r.PerEncoder {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(w, "  %s %d/%d", n, r.PerEncoder[n], r.PartsServed[n])
+	}
+	fmt.Fprintf(w, "\npins held by the gateway: %d\n", r.Pins)
+	total := o.Requests * o.Parts
+	fmt.Fprintf(w, "affinity: %d of %d part ids had all their calls on one encoder\n", total-r.SplitParts, total)
+	fmt.Fprintf(w, "follow-ups of failed /encodes answered by the gateway without a round trip: %d\n", r.answeredByGateway())
+	fmt.Fprintf(w, "errors by kind (every one comes from media that failed to load):\n")
+	if len(r.Errors) == 0 {
+		fmt.Fprintln(w, "  none")
+	}
+	kinds := make([]string, 0, len(r.Errors))
+	for k := range r.Errors {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	for _, k := range kinds {
+		fmt.Fprintf(w, "  %4dx %s\n", r.Errors[k], k)
+	}
+	fmt.Fprintf(w, "done in %s\n", took.Round(time.Millisecond))
+}
+
+func pct(ds []time.Duration, q float64) string {
+	if len(ds) == 0 {
+		return "-"
+	}
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[int(q*float64(len(s)-1))].Round(10 * time.Microsecond).String()
+}

@@ -1,0 +1,426 @@
+// Package fakeencoder is a faithful fake of an sglang multimodal encoder
+// (--encoder-only) HTTP server, for tests, the demo and benchmarks.
+//
+// It serves /encode, /send, /scheduler_receive_meta_data,
+// /scheduler_receive_url, /health, /health_generate, /start_profile and
+// /stop_profile with the status codes, messages and blocking behaviour of
+// sglang's NEW encoder (sgl-project/sglang@1901ddec), keeps the per-req_id
+// state machine (request state, metadata registry, destination refcount,
+// sweep), and adds fault injection plus control routes that faults never
+// touch: GET /_fake/stats, POST /_fake/reset and GET/PUT /_fake/faults. No
+// embedding data moves: there is no GPU, ZMQ or Mooncake traffic.
+//
+// Test hooks in the request body: when the first mm_item is the string
+// "fail:<status>:<message>", the encode fails during preprocessing (before
+// metadata is published) with that status and message;
+// "fail-encode:<status>:<message>" fails it after the metadata was published
+// (a model-forward failure).
+package fakeencoder
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Mode selects the encoder transfer backend the fake imitates.
+type Mode string
+
+const (
+	// ModeMooncake imitates --encoder-transfer-backend mooncake: /encode
+	// answers the echoed request with embedding sizes and the embedding stays
+	// staged until /send calls release it.
+	ModeMooncake Mode = "mooncake"
+	// ModeZMQ imitates the zmq backends: /encode answers null, after waiting
+	// for /scheduler_receive_url registrations when embedding_port is null.
+	ModeZMQ Mode = "zmq"
+)
+
+// String returns the mode name; it makes *Mode a flag.Value.
+func (m *Mode) String() string { return string(*m) }
+
+// Set parses a mode name ("mooncake" or "zmq"); it makes *Mode a flag.Value.
+func (m *Mode) Set(s string) error {
+	switch Mode(strings.ToLower(s)) {
+	case ModeMooncake:
+		*m = ModeMooncake
+	case ModeZMQ:
+		*m = ModeZMQ
+	default:
+		return fmt.Errorf("fakeencoder: unknown mode %q (want mooncake or zmq)", s)
+	}
+	return nil
+}
+
+// Default values for zero Options fields.
+const (
+	DefaultName          = "fake"
+	DefaultTimeout       = 180 * time.Second // sglang REQ_TIMEOUT / SEND_TIMEOUT
+	DefaultTokensPerItem = 256
+	DefaultDim           = 1024
+	DefaultElementSize   = 2 // bf16
+	DefaultFailStatus    = http.StatusInternalServerError
+	DefaultFailMessage   = "Internal encoding error: injected fault"
+)
+
+// Options configures an Encoder. Zero fields take the documented defaults.
+type Options struct {
+	// Name is shown in stats. Default "fake".
+	Name string
+	// Mode is the transfer backend imitated. Default ModeMooncake.
+	Mode Mode
+	// EncodeLatency is the simulated encode time after metadata publish.
+	// Default 0.
+	EncodeLatency time.Duration
+	// MetadataTimeout bounds a /scheduler_receive_meta_data wait (sglang
+	// SGLANG_ENCODER_REQ_TIMEOUT). Default 180s.
+	MetadataTimeout time.Duration
+	// RegisterTimeout bounds the /scheduler_receive_url wait for /encode to
+	// start. Default 180s.
+	RegisterTimeout time.Duration
+	// SendTimeout bounds a zmq /encode wait for receive_count registrations
+	// (sglang SGLANG_ENCODER_SEND_TIMEOUT). Default 180s.
+	SendTimeout time.Duration
+	// SweepAfter drops staged state this long after its last metadata
+	// publish. Default 180s.
+	SweepAfter time.Duration
+	// RefcountCalls selects OLD sglang refcounting: count raw /send calls
+	// instead of distinct prefill_host:embedding_port destinations.
+	RefcountCalls bool
+	// TokensPerItem is embedding_len per mm_item. Default 256.
+	TokensPerItem int
+	// Dim is embedding_dim. Default 1024.
+	Dim int
+	// ElementSize is bytes per element. Default 2 (bf16).
+	ElementSize int
+	// Rand supplies randomness for Faults.FailureRate, values in [0,1). It is
+	// only called with the encoder's lock held. Default: a math/rand source
+	// seeded with 1.
+	Rand func() float64
+	// EncodeHook, when set, is called by /encode after the preprocess
+	// metadata is published and before the simulated encode (EncodeLatency).
+	// Tests block in it to hold an encode in flight; it must return once ctx
+	// is done (the client went away or the encoder was closed).
+	EncodeHook func(ctx context.Context, reqID string)
+	// Faults are the initial faults; change them with SetFaults.
+	Faults Faults
+}
+
+// Faults are injected failures. The zero value injects nothing.
+type Faults struct {
+	// Latency is added to every request before handling.
+	Latency time.Duration
+	// MetadataDelay delays the /encode metadata publish (preprocessing).
+	MetadataDelay time.Duration
+	// Leading504s makes the first N /scheduler_receive_meta_data calls per
+	// req_id answer at once 504 "encode metadata not ready".
+	Leading504s int
+	// FailureRate is the probability in [0,1] that a request on FailRoutes
+	// answers FailStatus with the FailMessage error envelope.
+	FailureRate float64
+	// FailStatus is the injected failure status. Default 500.
+	FailStatus int
+	// FailMessage is the injected failure message. Default
+	// "Internal encoding error: injected fault".
+	FailMessage string
+	// FailRoutes are the paths FailureRate applies to. Empty means /encode,
+	// /send, /scheduler_receive_meta_data and /scheduler_receive_url.
+	FailRoutes []string
+	// Hang accepts and reads requests but never answers them (until the
+	// client goes away or Close).
+	Hang bool
+	// Refuse closes the listener so connects are refused (idle keep-alive
+	// connections are closed too); turning it off listens again on the same
+	// address.
+	Refuse bool
+	// HealthFail makes /health and /health_generate answer 503.
+	HealthFail bool
+	// HealthHang makes /health and /health_generate never answer.
+	HealthHang bool
+}
+
+// Encoder is a fake sglang encoder. It is safe for concurrent use.
+type Encoder struct {
+	opts    Options
+	handler http.Handler
+
+	done   chan struct{} // closed by Close
+	cancel context.CancelFunc
+	ctx    context.Context // canceled by Close; parent of background work
+
+	mu       sync.Mutex // protects everything below, up to lnMu
+	closed   bool
+	faults   Faults
+	states   map[string]*reqState  // sglang req_states
+	meta     map[string]*metaEntry // sglang EncoderMetaRegistry
+	sendDone map[string]*sendCount // registry _rid_to_send_done
+	recv     map[string]*recvReg   // rid_to_receive_endpoint/count
+	lead504  map[string]*lead504   // Faults.Leading504s counters
+	watches  map[string]*watch     // per-req_id wake-up channels
+	waiting  map[string]int        // route -> handlers blocked now
+	stats    statsData             // counters behind Stats
+	profile  profileState          // /start_profile, /stop_profile
+	sweeping bool                  // sweeper goroutine started
+	inflight sync.WaitGroup        // handlers running; Add only under mu
+	bg       sync.WaitGroup        // sweeper, servers, background sends
+
+	lnMu     sync.Mutex // serialises listener changes; protects below
+	srv      *http.Server
+	ln       net.Listener
+	bindHost string // host part of the Start address
+	addr     string // "127.0.0.1:PORT"
+}
+
+// New returns an Encoder with opts' zero fields set to their defaults. It
+// starts no goroutine; call Start to serve, or mount Handler.
+func New(opts Options) *Encoder {
+	opts.setDefaults()
+	if opts.Rand == nil {
+		opts.Rand = rand.New(rand.NewSource(1)).Float64
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	e := &Encoder{
+		opts:     opts,
+		done:     make(chan struct{}),
+		ctx:      ctx,
+		cancel:   cancel,
+		faults:   opts.Faults,
+		states:   map[string]*reqState{},
+		meta:     map[string]*metaEntry{},
+		sendDone: map[string]*sendCount{},
+		recv:     map[string]*recvReg{},
+		lead504:  map[string]*lead504{},
+		watches:  map[string]*watch{},
+		waiting:  map[string]int{},
+		stats:    newStatsData(),
+	}
+	e.handler = http.HandlerFunc(e.serveHTTP)
+	return e
+}
+
+// setDefaults fills zero fields (except Rand) with their defaults.
+func (o *Options) setDefaults() {
+	if o.Name == "" {
+		o.Name = DefaultName
+	}
+	if o.Mode == "" {
+		o.Mode = ModeMooncake
+	}
+	for _, d := range []*time.Duration{&o.MetadataTimeout, &o.RegisterTimeout, &o.SendTimeout, &o.SweepAfter} {
+		if *d <= 0 {
+			*d = DefaultTimeout
+		}
+	}
+	if o.TokensPerItem <= 0 {
+		o.TokensPerItem = DefaultTokensPerItem
+	}
+	if o.Dim <= 0 {
+		o.Dim = DefaultDim
+	}
+	if o.ElementSize <= 0 {
+		o.ElementSize = DefaultElementSize
+	}
+}
+
+// Handler returns the encoder's HTTP handler, for mounting without Start.
+func (e *Encoder) Handler() http.Handler { return e.handler }
+
+// Start listens on addr (":0" and "127.0.0.1:0" pick a free port) and serves
+// in a goroutine. With Faults.Refuse set it binds, records the address and
+// closes the listener at once.
+func (e *Encoder) Start(addr string) error {
+	e.lnMu.Lock()
+	defer e.lnMu.Unlock()
+	if e.srv != nil {
+		return errors.New("fakeencoder: already started")
+	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("fakeencoder: bad address %q: %w", addr, err)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("fakeencoder: listen: %w", err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	e.bindHost = host
+	e.addr = net.JoinHostPort(dialHost(host), port)
+	e.srv = &http.Server{Handler: e.handler, ReadHeaderTimeout: 30 * time.Second}
+	if e.Faults().Refuse {
+		e.srv.SetKeepAlivesEnabled(false)
+		return ln.Close()
+	}
+	return e.serveLocked(ln)
+}
+
+// dialHost maps an unspecified listen host to the loopback address.
+func dialHost(host string) string {
+	if host == "" || host == "0.0.0.0" || host == "::" {
+		return "127.0.0.1"
+	}
+	return host
+}
+
+// serveLocked serves ln in a background goroutine. lnMu must be held.
+func (e *Encoder) serveLocked(ln net.Listener) error {
+	srv := e.srv
+	if !e.goBackground(func() { _ = srv.Serve(ln) }) {
+		_ = ln.Close()
+		return errors.New("fakeencoder: closed")
+	}
+	e.ln = ln
+	return nil
+}
+
+// goBackground runs f in a goroutine tracked for Close; false once closed.
+func (e *Encoder) goBackground(f func()) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return false
+	}
+	e.bg.Add(1)
+	go func() {
+		defer e.bg.Done()
+		f()
+	}()
+	return true
+}
+
+// Addr returns the bound address as "127.0.0.1:PORT" (the listen host when it
+// was a specific one), or "" before Start.
+func (e *Encoder) Addr() string {
+	e.lnMu.Lock()
+	defer e.lnMu.Unlock()
+	return e.addr
+}
+
+// URL returns "http://" + Addr().
+func (e *Encoder) URL() string { return "http://" + e.Addr() }
+
+// Faults returns the faults in effect.
+func (e *Encoder) Faults() Faults {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	f := e.faults
+	f.FailRoutes = append([]string(nil), f.FailRoutes...)
+	return f
+}
+
+// SetFaults replaces the faults in effect; safe while serving. Turning Refuse
+// on closes the listener and idle connections (in-flight requests finish);
+// turning it off listens again on the same address, retrying for up to a
+// second if the port is briefly unavailable.
+func (e *Encoder) SetFaults(f Faults) {
+	f.FailRoutes = append([]string(nil), f.FailRoutes...)
+	e.lnMu.Lock()
+	defer e.lnMu.Unlock()
+	e.mu.Lock()
+	e.faults = f
+	e.mu.Unlock()
+	if e.srv == nil {
+		return
+	}
+	switch {
+	case f.Refuse && e.ln != nil:
+		e.srv.SetKeepAlivesEnabled(false) // also closes idle connections
+		_ = e.ln.Close()
+		e.ln = nil
+	case !f.Refuse && e.ln == nil:
+		e.srv.SetKeepAlivesEnabled(true)
+		e.relistenLocked()
+	}
+}
+
+// relistenLocked listens again on the started address. lnMu must be held.
+func (e *Encoder) relistenLocked() {
+	_, port, _ := net.SplitHostPort(e.addr)
+	addr := net.JoinHostPort(e.bindHost, port)
+	for i := 0; i < 50; i++ {
+		ln, err := net.Listen("tcp", addr)
+		if err == nil {
+			_ = e.serveLocked(ln)
+			return
+		}
+		select {
+		case <-e.done:
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Close stops serving, stops the sweeper and background work, releases every
+// blocked handler and waits for them to return. It is idempotent.
+func (e *Encoder) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.closed = true
+	e.mu.Unlock()
+	// Close the connections before releasing the blocked handlers, so that a
+	// released handler cannot answer (net/http would send an empty 200).
+	e.lnMu.Lock()
+	var err error
+	if e.srv != nil {
+		err = e.srv.Close()
+	}
+	e.ln = nil
+	e.lnMu.Unlock()
+	close(e.done)
+	e.cancel()
+	e.inflight.Wait()
+	e.bg.Wait()
+	return err
+}
+
+// BindFlags registers flags for the `encgate fake-encoder` subcommand on fs,
+// writing into o. The flags' defaults are o's current values, with zero
+// fields shown as their defaults.
+func (o *Options) BindFlags(fs *flag.FlagSet) {
+	o.setDefaults()
+	fs.StringVar(&o.Name, "name", o.Name, "encoder name shown in /_fake/stats")
+	fs.Var(&o.Mode, "mode", "transfer backend imitated: mooncake or zmq")
+	fs.DurationVar(&o.EncodeLatency, "encode-latency", o.EncodeLatency, "simulated encode time after the metadata publish")
+	fs.DurationVar(&o.MetadataTimeout, "metadata-timeout", o.MetadataTimeout, "/scheduler_receive_meta_data wait before 504 (sglang REQ_TIMEOUT)")
+	fs.DurationVar(&o.RegisterTimeout, "register-timeout", o.RegisterTimeout, "/scheduler_receive_url wait for /encode to start before 504")
+	fs.DurationVar(&o.SendTimeout, "send-timeout", o.SendTimeout, "zmq /encode wait for receive_count registrations (sglang SEND_TIMEOUT)")
+	fs.DurationVar(&o.SweepAfter, "sweep-after", o.SweepAfter, "drop staged state this long after the last metadata publish")
+	fs.BoolVar(&o.RefcountCalls, "refcount-calls", o.RefcountCalls, "OLD sglang: count raw /send calls, not distinct destinations")
+	fs.IntVar(&o.TokensPerItem, "tokens-per-item", o.TokensPerItem, "embedding_len per mm_item")
+	fs.IntVar(&o.Dim, "dim", o.Dim, "embedding_dim")
+	fs.IntVar(&o.ElementSize, "element-size", o.ElementSize, "bytes per embedding element")
+	o.Faults.bindFlags(fs)
+}
+
+// bindFlags registers the fault flags on fs.
+func (f *Faults) bindFlags(fs *flag.FlagSet) {
+	fs.DurationVar(&f.Latency, "latency", f.Latency, "fault: latency added to every request")
+	fs.DurationVar(&f.MetadataDelay, "metadata-delay", f.MetadataDelay, "fault: delay before /encode publishes metadata")
+	fs.IntVar(&f.Leading504s, "leading-504s", f.Leading504s, "fault: first N metadata calls per req_id answer 504 at once")
+	fs.Float64Var(&f.FailureRate, "failure-rate", f.FailureRate, "fault: probability that a request on the fail routes fails")
+	fs.IntVar(&f.FailStatus, "fail-status", f.FailStatus, "fault: status of injected failures (0 = 500)")
+	fs.StringVar(&f.FailMessage, "fail-message", f.FailMessage, "fault: message of injected failures (empty = default)")
+	fs.Func("fail-routes", "fault: comma-separated routes --failure-rate applies to (default the four encoder POST routes)", func(s string) error {
+		f.FailRoutes = nil
+		for _, r := range strings.Split(s, ",") {
+			if r = strings.TrimSpace(r); r != "" {
+				f.FailRoutes = append(f.FailRoutes, r)
+			}
+		}
+		return nil
+	})
+	fs.BoolVar(&f.Hang, "hang", f.Hang, "fault: read requests but never answer")
+	fs.BoolVar(&f.Refuse, "refuse", f.Refuse, "fault: refuse connections")
+	fs.BoolVar(&f.HealthFail, "health-fail", f.HealthFail, "fault: /health answers 503")
+	fs.BoolVar(&f.HealthHang, "health-hang", f.HealthHang, "fault: /health never answers")
+}

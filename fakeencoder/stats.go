@@ -1,0 +1,92 @@
+package fakeencoder
+
+import (
+	"encoding/json"
+	"maps"
+	"net/http"
+)
+
+// Stats is a snapshot of what the encoder received, served as JSON by
+// GET /_fake/stats.
+type Stats struct {
+	// Name is Options.Name.
+	Name string `json:"name"`
+	// Routes counts requests received per route path, faults included.
+	Routes map[string]int64 `json:"routes"`
+	// ReqIDs counts requests per string req_id, then per route.
+	ReqIDs map[string]map[string]int64 `json:"req_ids"`
+	// Sends counts the /send calls that reached the encoder logic (after
+	// faults), keyed "req_id|prefill_host:embedding_port".
+	Sends map[string]int64 `json:"sends"`
+	// Staged is the number of req_ids with live request state.
+	Staged int `json:"staged"`
+	// Waiting counts the handlers blocked right now, per route: metadata,
+	// registration, /send and zmq /encode waits, delays and hangs.
+	Waiting map[string]int `json:"waiting"`
+}
+
+// statsData holds the counters behind Stats; guarded by Encoder.mu.
+type statsData struct {
+	routes map[string]int64
+	reqIDs map[string]map[string]int64
+	sends  map[string]int64
+}
+
+func newStatsData() statsData {
+	return statsData{
+		routes: map[string]int64{},
+		reqIDs: map[string]map[string]int64{},
+		sends:  map[string]int64{},
+	}
+}
+
+// countRequest records one received request. reqID "" is not recorded.
+func (e *Encoder) countRequest(route, reqID string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.stats.routes[route]++
+	if reqID == "" {
+		return
+	}
+	m := e.stats.reqIDs[reqID]
+	if m == nil {
+		m = map[string]int64{}
+		e.stats.reqIDs[reqID] = m
+	}
+	m[route]++
+}
+
+// Stats returns a snapshot of the counters and live state.
+func (e *Encoder) Stats() Stats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := Stats{
+		Name:    e.opts.Name,
+		Routes:  maps.Clone(e.stats.routes),
+		ReqIDs:  make(map[string]map[string]int64, len(e.stats.reqIDs)),
+		Sends:   maps.Clone(e.stats.sends),
+		Staged:  len(e.states),
+		Waiting: maps.Clone(e.waiting),
+	}
+	for id, m := range e.stats.reqIDs {
+		s.ReqIDs[id] = maps.Clone(m)
+	}
+	return s
+}
+
+// ResetStats zeroes the request counters (live state is kept).
+func (e *Encoder) ResetStats() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.stats = newStatsData()
+}
+
+// serveStats answers GET /_fake/stats.
+func (e *Encoder) serveStats(w http.ResponseWriter) {
+	b, err := json.Marshal(e.Stats())
+	if err != nil {
+		writeEmpty(w, http.StatusInternalServerError)
+		return
+	}
+	writeJSON(w, http.StatusOK, b)
+}

@@ -1,0 +1,102 @@
+package gateway
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/encgate/encgate/upstream"
+)
+
+func validConfig() Config {
+	c := DefaultConfig()
+	c.Encoders = []upstream.EncoderConfig{
+		{Name: "enc-a", URL: "http://127.0.0.1:30001"},
+		{Name: "enc-b", URL: "http://127.0.0.1:30002"},
+	}
+	return c
+}
+
+func TestValidate(t *testing.T) {
+	tests := []struct {
+		name   string
+		mutate func(*Config)
+		want   []string // substrings, each must appear; empty = valid
+	}{
+		{"defaults plus encoders", func(*Config) {}, nil},
+		{"no encoders", func(c *Config) { c.Encoders = nil }, []string{"encoders: at least one encoder is required"}},
+		{"bad url scheme", func(c *Config) { c.Encoders[1].URL = "ftp://x:1" }, []string{`encoders[1].url: scheme must be http or https, got "ftp"`}},
+		{"url without port", func(c *Config) { c.Encoders[0].URL = "http://host" }, []string{"encoders[0].url: must be http(s)://host:port"}},
+		{"url with path", func(c *Config) { c.Encoders[0].URL = "http://h:1/v1" }, []string{"encoders[0].url: must be a base URL without path"}},
+		{"empty name", func(c *Config) { c.Encoders[0].Name = "" }, []string{"encoders[0].name: must not be empty"}},
+		{"duplicate name", func(c *Config) { c.Encoders[1].Name = "enc-a" }, []string{`encoders[1].name: "enc-a" is already used by encoders[0]`}},
+		{"duplicate url", func(c *Config) { c.Encoders[1].URL = c.Encoders[0].URL }, []string{"encoders[1].url:", "already used by encoders[0]"}},
+		{"listen", func(c *Config) { c.Listen = "8080" }, []string{`listen: must be host:port, got "8080"`}},
+		{"admin same as listen", func(c *Config) { c.AdminListen = c.Listen }, []string{"admin_listen: must differ from listen"}},
+		{"pin ttl", func(c *Config) { c.Affinity.PinTTL = 0 }, []string{"affinity.pin_ttl: must be > 0"}},
+		{"unknown wait", func(c *Config) { c.Affinity.UnknownWait = -1 }, []string{"affinity.unknown_wait: must be >= 0"}},
+		{"max pins", func(c *Config) { c.Affinity.MaxPins = 0 }, []string{"affinity.max_pins: must be >= 1"}},
+		{"upstream timeout", func(c *Config) { c.Upstream.Timeout = 0 }, []string{"upstream.timeout: must be > 0"}},
+		{"body limit", func(c *Config) { c.Limits.MaxBodyBytes = 10 }, []string{"limits.max_body_bytes: must be >= 1KiB"}},
+		{"log level", func(c *Config) { c.Log.Level = "loud" }, []string{`log.level: must be debug, info, warn or error, got "loud"`}},
+		{"several at once", func(c *Config) { c.Listen = ""; c.Shutdown.Grace = 0 }, []string{"listen:", "shutdown.grace: must be > 0"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			c := validConfig()
+			tc.mutate(&c)
+			err := c.Validate()
+			if len(tc.want) == 0 {
+				if err != nil {
+					t.Fatalf("unexpected error: %v", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("want errors %q, got none", tc.want)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestLoadConfig(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	ok := write("ok.yaml", "encoders:\n  - {name: a, url: \"http://127.0.0.1:1\"}\naffinity:\n  unknown_wait: 250ms\nlimits:\n  max_body_bytes: 2MiB\n")
+	cfg, err := LoadConfig(ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Affinity.UnknownWait.D().Milliseconds() != 250 || cfg.Limits.MaxBodyBytes != 2<<20 {
+		t.Errorf("values not applied: %+v %+v", cfg.Affinity, cfg.Limits)
+	}
+	if cfg.Affinity.PinTTL != DefaultConfig().Affinity.PinTTL {
+		t.Errorf("default pin_ttl lost: %v", cfg.Affinity.PinTTL)
+	}
+	for name, body := range map[string]string{
+		"unknown key":  "encoders: []\nlisen: x\n",
+		"bad duration": "affinity:\n  pin_ttl: forever\n",
+		"bad size":     "limits:\n  max_body_bytes: lots\n",
+	} {
+		_, err := LoadConfig(write(strings.ReplaceAll(name, " ", "_")+".yaml", body))
+		if err == nil {
+			t.Errorf("%s: loaded", name)
+		}
+	}
+	_, err = LoadConfig(write("typo.yaml", "encoders: []\nlisen: x\n"))
+	if err == nil || !strings.Contains(err.Error(), "lisen") {
+		t.Errorf("unknown key error does not name the key: %v", err)
+	}
+}

@@ -1,0 +1,195 @@
+// Command encgate is a gateway for fleets of sglang multimodal encoders.
+//
+//	encgate gateway --config FILE [--check]   serve (or validate a config)
+//	encgate fake-encoder --listen ADDR ...    a faithful fake sglang encoder
+//	encgate demo                              a whole local fleet, end to end
+//	encgate version
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"syscall"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/encgate/encgate/demo"
+	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/gateway"
+)
+
+// version is set at build time with -ldflags "-X main.version=v1.2.3".
+var version = "dev"
+
+const usage = `encgate — a gateway for fleets of sglang multimodal encoders
+
+usage:
+  encgate gateway --config FILE [--check]
+  encgate fake-encoder --listen ADDR [--name N] [--mode mooncake|zmq] [fault flags]
+  encgate demo
+  encgate version
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	switch args[0] {
+	case "gateway":
+		return runGateway(args[1:], stdout, stderr)
+	case "fake-encoder":
+		return runFakeEncoder(args[1:], stderr)
+	case "demo":
+		if err := demo.Run(context.Background(), stdout, demo.Options{}); err != nil {
+			fmt.Fprintln(stderr, "demo:", err)
+			return 1
+		}
+		return 0
+	case "version", "--version", "-v":
+		fmt.Fprintln(stdout, "encgate", versionString())
+		return 0
+	case "help", "--help", "-h":
+		fmt.Fprint(stdout, usage)
+		return 0
+	default:
+		fmt.Fprintf(stderr, "unknown command %q\n\n%s", args[0], usage)
+		return 2
+	}
+}
+
+func versionString() string {
+	v := version
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" && len(s.Value) >= 12 {
+				v += " (" + s.Value[:12] + ")"
+			}
+		}
+	}
+	return v
+}
+
+func runGateway(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	path := fs.String("config", "", "gateway YAML config `file` (required)")
+	check := fs.Bool("check", false, "validate the config, print every problem, and exit (0 valid, 2 invalid)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *path == "" {
+		fmt.Fprintln(stderr, "gateway: --config is required")
+		return 2
+	}
+	cfg, err := gateway.LoadConfig(*path)
+	if err != nil {
+		printProblems(stderr, *path, err)
+		return 2
+	}
+	if *check {
+		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n", *path, len(cfg.Encoders))
+		return 0
+	}
+	log, err := newLogger(cfg.Log.Level)
+	if err != nil {
+		fmt.Fprintln(stderr, "gateway:", err)
+		return 2
+	}
+	defer func() { _ = log.Sync() }()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
+	if err != nil {
+		log.Error("building gateway", zap.Error(err))
+		return 1
+	}
+	if err := srv.Start(); err != nil {
+		log.Error("starting gateway", zap.Error(err))
+		return 1
+	}
+	return waitAndDrain(srv, cfg, log)
+}
+
+func waitAndDrain(srv *gateway.Server, cfg gateway.Config, log *zap.Logger) int {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	select {
+	case sig := <-sigs:
+		log.Info("signal received, draining", zap.String("signal", sig.String()),
+			zap.Duration("grace", cfg.Shutdown.Grace.D()))
+	case err := <-srv.Done():
+		log.Error("listener stopped", zap.Error(err))
+		return 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Grace.D())
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		log.Error("drain did not finish within shutdown.grace", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+func printProblems(w io.Writer, path string, err error) {
+	fmt.Fprintf(w, "%s: invalid config\n", path)
+	var joined interface{ Unwrap() []error }
+	if errors.As(err, &joined) {
+		for _, e := range joined.Unwrap() {
+			fmt.Fprintf(w, "  %v\n", e)
+		}
+		return
+	}
+	fmt.Fprintf(w, "  %v\n", err)
+}
+
+func newLogger(level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, err
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.EncoderConfig.TimeKey = "ts"
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	return zc.Build()
+}
+
+func runFakeEncoder(args []string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("fake-encoder", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	listen := fs.String("listen", "127.0.0.1:30000", "listen `address`")
+	var opts fakeencoder.Options
+	opts.BindFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	enc := fakeencoder.New(opts)
+	if err := enc.Start(*listen); err != nil {
+		fmt.Fprintln(stderr, "fake-encoder:", err)
+		return 1
+	}
+	fmt.Fprintf(stderr, "fake encoder %q listening on %s\n", opts.Name, enc.URL())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	<-sigs
+	if err := enc.Close(); err != nil {
+		fmt.Fprintln(stderr, "fake-encoder:", err)
+		return 1
+	}
+	return 0
+}
