@@ -30,6 +30,7 @@ type Options struct {
 	ReceiverTP  int // receiver TP ranks, each calling metadata and /send (default 2)
 	Concurrency int // requests in flight (default 8)
 	FailEvery   int // every Nth request's part 0 has media that fails to load (default 10; <0 none)
+	DupEvery    int // every Nth part: one rank's /send is duplicated at once, another's retried after its answer (default 3; <0 none)
 	Log         *zap.Logger
 }
 
@@ -45,6 +46,7 @@ func (o *Options) defaults() {
 	def(&o.ReceiverTP, 2)
 	def(&o.Concurrency, 8)
 	def(&o.FailEvery, 10)
+	def(&o.DupEvery, 3)
 	if o.Log == nil {
 		o.Log = zap.NewNop()
 	}
@@ -59,6 +61,11 @@ type Result struct {
 	SplitParts  int                    // part ids seen by more than one encoder (must be 0)
 	Pins        int
 	Errors      map[string]int // "status route: message" -> count
+
+	DupsInjected  int            // duplicate /sends the driver added
+	Replayed      int            // /send answers marked X-Encgate-Replayed
+	SendsReceived map[string]int // (req_id, destination) -> /sends the encoders received
+	Suppressed    map[string]float64
 }
 
 // RouteStats counts the answers callers got on one route.
@@ -79,7 +86,8 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 		return err
 	}
 	defer fleet.close()
-	gw, err := startGateway(fleet, opts.Log)
+	reg := prometheus.NewRegistry()
+	gw, err := startGateway(fleet, opts.Log, reg)
 	if err != nil {
 		return err
 	}
@@ -95,7 +103,7 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	d := newDriver("http://"+gw.Addr(), opts)
 	start := time.Now()
 	d.run(ctx)
-	res := d.result(fleet, gw.Pool())
+	res := d.result(fleet, gw, reg)
 	printSummary(w, res, time.Since(start), opts)
 	return res.check(opts)
 }
@@ -126,13 +134,13 @@ func (f *fleet) close() {
 	}
 }
 
-func startGateway(f *fleet, log *zap.Logger) (*gateway.Server, error) {
+func startGateway(f *fleet, log *zap.Logger, reg *prometheus.Registry) (*gateway.Server, error) {
 	cfg := gateway.DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
 	for _, e := range f.encs {
 		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL()})
 	}
-	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: prometheus.NewRegistry()})
+	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
 	if err != nil {
 		return nil, err
 	}
@@ -146,9 +154,11 @@ type driver struct {
 	opts   Options
 	client *http.Client
 
-	mu     sync.Mutex // protects calls and errors
-	calls  map[string]*RouteStats
-	errors map[string]int
+	mu       sync.Mutex // protects calls, errors, dups and replayed
+	calls    map[string]*RouteStats
+	errors   map[string]int
+	dups     int
+	replayed int
 }
 
 func newDriver(base string, opts Options) *driver {
@@ -198,6 +208,7 @@ func (d *driver) request(ctx context.Context, i int) {
 // often do, so their follow-ups wait in the gateway for the /encode's pin.
 func (d *driver) part(ctx context.Context, part string, k int, media string, bufBase int64) {
 	var wg sync.WaitGroup
+	dup := d.opts.DupEvery > 0 && d.seq(part)%d.opts.DupEvery == 0
 	for r := 0; r < d.opts.ReceiverTP; r++ {
 		wg.Add(1)
 		go func() {
@@ -209,7 +220,22 @@ func (d *driver) part(ctx context.Context, part string, k int, media string, buf
 			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
 				`"session_id":"127.0.0.1:17000","buffer_address":%d,"receive_count":%d}`,
 				part, k, 41000+r, 140737488355328+int64(r)<<32+bufBase, d.opts.ReceiverTP)
-			d.post(ctx, "/send", send)
+			switch {
+			case dup && r == 0: // a confused rank: the same /send twice at once
+				d.countDup()
+				var both sync.WaitGroup
+				both.Add(2)
+				for i := 0; i < 2; i++ {
+					go func() { defer both.Done(); d.post(ctx, "/send", send) }()
+				}
+				both.Wait()
+			case dup && r == 1: // a retrying middleware: the same /send again after the answer
+				d.post(ctx, "/send", send)
+				d.countDup()
+				d.post(ctx, "/send", send)
+			default:
+				d.post(ctx, "/send", send)
+			}
 		}()
 	}
 	enc := fmt.Sprintf(`{"req_id":%q,"mm_items":[%s],"modality":"IMAGE","num_parts":%d,"part_idx":%d,`+
@@ -221,6 +247,24 @@ func (d *driver) part(ctx context.Context, part string, k int, media string, buf
 		// from the remembered /encode, without a round trip.
 		d.post(ctx, "/scheduler_receive_meta_data", fmt.Sprintf(`{"req_id":%q,"part_idx":%d}`, part, k))
 	}
+}
+
+func (d *driver) countDup() {
+	d.mu.Lock()
+	d.dups++
+	d.mu.Unlock()
+}
+
+// seq is a stable small number for a part id, to pick which parts get duplicates.
+func (d *driver) seq(part string) int {
+	h := 0
+	for _, c := range part {
+		h = h*31 + int(c)
+	}
+	if h < 0 {
+		h = -h
+	}
+	return h
 }
 
 func (d *driver) post(ctx context.Context, path, body string) ([]byte, bool) {
@@ -241,6 +285,11 @@ func (d *driver) post(ctx context.Context, path, body string) ([]byte, bool) {
 	msg := ""
 	if resp.StatusCode != http.StatusOK {
 		msg = envelopeMessage(out)
+	}
+	if resp.Header.Get("X-Encgate-Replayed") == "true" {
+		d.mu.Lock()
+		d.replayed++
+		d.mu.Unlock()
 	}
 	d.record(path, resp.StatusCode, msg, time.Since(start))
 	return out, resp.StatusCode == http.StatusOK
@@ -282,15 +331,20 @@ func envelopeMessage(body []byte) string {
 	return m
 }
 
-func (d *driver) result(f *fleet, pool *upstream.Pool) *Result {
+func (d *driver) result(f *fleet, gw *gateway.Server, reg *prometheus.Registry) *Result {
 	res := &Result{Calls: d.calls, PerEncoder: map[string]int{}, PartsServed: map[string]int{},
-		Received: map[string]int64{}, Errors: d.errors, Pins: pool.Pins.Len()}
+		Received: map[string]int64{}, Errors: d.errors, Pins: gw.Pool().Pins.Len(),
+		DupsInjected: d.dups, Replayed: d.replayed, SendsReceived: map[string]int{},
+		Suppressed: suppressed(reg)}
 	seen := map[string]int{}
 	for _, e := range f.encs {
 		st := e.Stats()
 		res.PerEncoder[st.Name] = int(st.Routes["/encode"])
 		for route, n := range st.Routes {
 			res.Received[route] += n
+		}
+		for key, n := range st.Sends {
+			res.SendsReceived[key] += int(n)
 		}
 		for rid := range st.ReqIDs {
 			seen[rid]++
@@ -321,19 +375,26 @@ func (r *Result) check(o Options) error {
 	if r.answeredByGateway() == 0 && o.FailEvery > 0 {
 		return fmt.Errorf("no follow-up of a failed /encode was answered by the gateway")
 	}
+	for key, n := range r.SendsReceived {
+		if n != 1 {
+			return fmt.Errorf("duplicate /send reached an encoder: %s received %d times", key, n)
+		}
+	}
+	if o.DupEvery > 0 && r.DupsInjected == 0 {
+		return fmt.Errorf("no duplicate /send was injected")
+	}
 	return nil
 }
 
-// answeredByGateway counts follow-ups the gateway answered itself: calls
-// made minus calls the encoders received.
+// answeredByGateway counts metadata pulls the gateway answered itself from
+// a remembered failed /encode: pulls made minus pulls the encoders received.
+// (Suppressed /send duplicates are counted separately.)
 func (r *Result) answeredByGateway() int {
-	n := 0
-	for _, p := range []string{"/scheduler_receive_meta_data", "/send"} {
-		if rs := r.Calls[p]; rs != nil {
-			n += rs.Calls - int(r.Received[p])
-		}
+	const p = "/scheduler_receive_meta_data"
+	if rs := r.Calls[p]; rs != nil {
+		return rs.Calls - int(r.Received[p])
 	}
-	return n
+	return 0
 }
 
 func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
@@ -360,6 +421,16 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 	total := o.Requests * o.Parts
 	fmt.Fprintf(w, "affinity: %d of %d part ids had all their calls on one encoder\n", total-r.SplitParts, total)
 	fmt.Fprintf(w, "follow-ups of failed /encodes answered by the gateway without a round trip: %d\n", r.answeredByGateway())
+	fmt.Fprintf(w, "duplicate /sends injected: %d (a rank sending twice at once, a middleware retrying after the answer)\n", r.DupsInjected)
+	fmt.Fprintf(w, "  suppressed by the gateway: %.0f coalesced in flight, %.0f replayed from the store, %.0f after release; answers marked X-Encgate-Replayed: %d\n",
+		r.Suppressed["inflight"], r.Suppressed["replay"], r.Suppressed["released"], r.Replayed)
+	once := 0
+	for _, n := range r.SendsReceived {
+		if n == 1 {
+			once++
+		}
+	}
+	fmt.Fprintf(w, "  encoders received exactly one /send per (req_id, destination): %d of %d\n", once, len(r.SendsReceived))
 	fmt.Fprintf(w, "errors by kind (every one comes from media that failed to load):\n")
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(w, "  none")
@@ -382,4 +453,26 @@ func pct(ds []time.Duration, q float64) string {
 	s := append([]time.Duration(nil), ds...)
 	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
 	return s[int(q*float64(len(s)-1))].Round(10 * time.Microsecond).String()
+}
+
+// suppressed reads encgate_send_duplicates_suppressed_total by reason.
+func suppressed(reg *prometheus.Registry) map[string]float64 {
+	out := map[string]float64{}
+	mfs, err := reg.Gather()
+	if err != nil {
+		return out
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "encgate_send_duplicates_suppressed_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "reason" {
+					out[l.GetValue()] = m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return out
 }

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap/zapcore"
 
+	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/upstream"
 )
@@ -28,6 +29,8 @@ type Config struct {
 	Affinity upstream.AffinityConfig `yaml:"affinity"`
 	// Upstream controls connections to encoders.
 	Upstream upstream.ClientConfig `yaml:"upstream"`
+	// Idempotency controls /send deduplication.
+	Idempotency idempotency.Config `yaml:"idempotency"`
 	// Limits bounds what a caller can make the gateway hold.
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
@@ -69,6 +72,7 @@ func DefaultConfig() Config {
 		AdminListen: "127.0.0.1:9090",
 		Affinity:    upstream.DefaultAffinity(),
 		Upstream:    upstream.DefaultClient(),
+		Idempotency: idempotency.DefaultConfig(),
 		Limits: LimitsConfig{
 			MaxBodyBytes: 8 << 20,
 			ReadTimeout:  configfile.Duration(60e9),
@@ -101,6 +105,7 @@ func (c Config) Validate() error {
 	upstream.ValidateEncoders(&p, "encoders", c.Encoders)
 	c.Affinity.Validate(&p, "affinity")
 	c.Upstream.Validate(&p, "upstream")
+	c.Idempotency.Validate(&p, "idempotency")
 	if c.Limits.MaxBodyBytes < 1024 {
 		p.Addf("limits.max_body_bytes", "must be >= 1KiB, got %s", c.Limits.MaxBodyBytes)
 	}

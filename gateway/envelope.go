@@ -86,6 +86,12 @@ func messageFor(err error, enc *upstream.Encoder) string {
 	}
 }
 
+// notDelivered reports whether err proves that no byte of the request
+// reached the encoder, so sending it again cannot duplicate it.
+func notDelivered(err error) bool {
+	return isDial(err) || upstream.IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns)
+}
+
 func isDial(err error) bool {
 	var dial *upstream.DialError
 	return errors.As(err, &dial)

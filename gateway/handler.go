@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -46,6 +47,8 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *route) {
 		s.serveHealth(ctx)
 	case kindBroadcast:
 		s.serveBroadcast(ctx, rt)
+	case kindSend:
+		s.serveSend(ctx, rt)
 	default:
 		c, err := s.newCall(ctx, rt)
 		if err != nil {
@@ -99,7 +102,7 @@ func (s *Server) serveEncode(c *call) {
 	}
 	c.enc = enc
 	s.pool.Pins.Set(c.reqID, enc.Name)
-	if err := s.forward(c); err != nil {
+	if err := s.forward(c, s.cfg.Upstream.Timeout.D()); err != nil {
 		s.failCall(c, err)
 		return
 	}
@@ -110,20 +113,29 @@ func (s *Server) serveEncode(c *call) {
 
 // serveFollowUp sends a follow-up to the encoder that holds the req_id.
 func (s *Server) serveFollowUp(c *call) {
+	s.followUp(c, s.cfg.Upstream.Timeout.D())
+}
+
+// followUp routes c to its encoder and forwards it within timeout. It
+// reports whether the request may have reached the encoder: false when the
+// gateway answered itself (remembered failure, no encoder, connect failure).
+func (s *Server) followUp(c *call, timeout time.Duration) (delivered bool) {
 	enc, pin, err := s.pool.Route(c.reqID, c.ctx.Done())
 	if err != nil {
 		s.failCall(c, err)
-		return
+		return false
 	}
 	if pin.Failed {
 		c.ctx.Response.Header.Set("X-Encgate-Encoder", pin.Encoder)
 		writeEnvelope(c.ctx, pin.Status, pin.Message, &c.reqID)
-		return
+		return false
 	}
 	c.enc = enc
-	if err := s.forward(c); err != nil {
+	if err := s.forward(c, timeout); err != nil {
 		s.failCall(c, err)
+		return !notDelivered(err)
 	}
+	return true
 }
 
 // failCall answers with the gateway's own envelope for err; a failed
@@ -144,16 +156,16 @@ func (s *Server) failCall(c *call, err error) {
 	writeEnvelope(c.ctx, status, msg, &c.reqID)
 }
 
-// forward performs one exchange with c.enc and, when an answer came, copies
-// it into the caller's response unchanged: status, content type (or none)
-// and body bytes. An error means no answer came.
-func (s *Server) forward(c *call) error {
+// forward performs one exchange with c.enc within timeout and, when an
+// answer came, copies it into the caller's response unchanged: status,
+// content type (or none) and body bytes. An error means no answer came.
+func (s *Server) forward(c *call, timeout time.Duration) error {
 	req := fasthttp.AcquireRequest()
 	resp := fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	s.buildRequest(c.ctx, c.route, req)
-	err := c.enc.Do(req, resp, s.cfg.Upstream.Timeout.D())
+	err := c.enc.Do(req, resp, timeout)
 	s.metrics.observeUpstream(c.enc, c.route, resp.StatusCode(), err)
 	if err != nil {
 		return err

@@ -79,7 +79,11 @@ func TestUpstreamErrorsPassThrough(t *testing.T) {
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			up.answer(tc.path, tc.a)
-			a := post(t, g.base+tc.path, fmt.Sprintf(`{"req_id":"p%d","part_idx":0}`, i))
+			body := fmt.Sprintf(`{"req_id":"p%d","part_idx":0}`, i)
+			if tc.path == "/send" {
+				body = sendBody(fmt.Sprintf("p%d", i), 40000)
+			}
+			a := post(t, g.base+tc.path, body)
 			if a.status != tc.a.status || a.body != tc.a.body {
 				t.Fatalf("got %d %q, want %d %q", a.status, a.body, tc.a.status, tc.a.body)
 			}

@@ -6,6 +6,7 @@ type routeKind int
 const (
 	kindEncode    routeKind = iota // choose the owner by rendezvous, pin req_id
 	kindFollowUp                   // go to the encoder the req_id is pinned to
+	kindSend                       // kindFollowUp, deduplicated per (req_id, destination)
 	kindHealth                     // answered by the gateway
 	kindBroadcast                  // sent to every encoder, answers joined
 )
@@ -23,7 +24,7 @@ var routes = []*route{
 	{path: "/encode", label: "encode", kind: kindEncode, post: true},
 	{path: "/scheduler_receive_meta_data", label: "metadata", kind: kindFollowUp, post: true},
 	{path: "/scheduler_receive_url", label: "receive_url", kind: kindFollowUp, post: true},
-	{path: "/send", label: "send", kind: kindFollowUp, post: true},
+	{path: "/send", label: "send", kind: kindSend, post: true},
 	{path: "/health", label: "health", kind: kindHealth, get: true},
 	{path: "/health_generate", label: "health", kind: kindHealth, get: true},
 	{path: "/start_profile", label: "profile", kind: kindBroadcast, get: true, post: true},

@@ -15,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
+	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/upstream"
 )
@@ -26,6 +27,8 @@ type Server struct {
 	log     *zap.Logger
 	clk     clock.Clock
 	pool    *upstream.Pool
+	store   *idempotency.Opened
+	sends   *idempotency.Sends
 	metrics *metrics
 	reg     *prometheus.Registry
 
@@ -58,8 +61,15 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: log, clk: clk, pool: pool, reg: deps.Registry, done: make(chan error, 2)}
+	store, err := idempotency.Open(cfg.Idempotency, clk, deps.Log.Named("idempotency"))
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: log, clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2)}
 	s.metrics = newMetrics(deps.Registry, pool)
+	s.sends = idempotency.NewSends(store.Store, cfg.Idempotency, clk, deps.Log.Named("idempotency"),
+		idempotency.NewMetrics(deps.Registry, store.Memory))
 	s.srv = &fasthttp.Server{
 		Handler:               s.handle,
 		ErrorHandler:          s.handleProtocolError,
@@ -121,9 +131,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	err := s.srv.ShutdownWithContext(ctx)
 	aerr := s.admin.Shutdown(ctx)
 	s.pool.Close()
-	if err == nil {
-		err = aerr
-	}
+	serr := s.store.Close()
+	err = errors.Join(err, aerr, serr)
 	s.log.Info("stopped", zap.Error(err))
 	return err
 }
@@ -142,7 +151,39 @@ func (s *Server) adminMux() *http.ServeMux {
 		_, _ = w.Write([]byte("ready\n"))
 	})
 	mux.HandleFunc("GET /admin/upstreams", s.serveUpstreams)
+	mux.HandleFunc("GET /admin/sends/{req_id}", s.serveSendRecord)
 	return mux
+}
+
+// serveSendRecord shows one req_id's /send destinations: done (with the
+// stored status) or in flight, the receive count and whether it is released.
+func (s *Server) serveSendRecord(w http.ResponseWriter, r *http.Request) {
+	reqID := r.PathValue("req_id")
+	view, err := s.sends.Store().Inspect(r.Context(), reqID)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	known := map[string]bool{}
+	for _, d := range view.Destinations {
+		known[d.Dest] = true
+	}
+	for _, dest := range s.sends.Inflight(reqID) {
+		if !known[dest] {
+			view.Destinations = append(view.Destinations, idempotency.DestView{Dest: dest, State: "in_flight"})
+		}
+	}
+	if view.Destinations == nil {
+		view.Destinations = []idempotency.DestView{}
+	}
+	writeJSON(w, view)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
 }
 
 // UpstreamState is one row of GET /admin/upstreams.
@@ -164,10 +205,7 @@ func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 			Inflight: e.Inflight(), Requests: e.Requests(), Pins: pins[e.Name],
 		})
 	}
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	_ = enc.Encode(out)
+	writeJSON(w, out)
 }
 
 // fasthttpLogger routes fasthttp's own messages to zap.

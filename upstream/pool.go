@@ -48,7 +48,9 @@ func (e *Encoder) SetUsable(ok bool) { e.usable.Store(ok) }
 
 // Do sends req to e and reads the answer into resp within timeout. The
 // caller sets method, path, headers and body; Do sets the host. A connect
-// failure is a *DialError; a timeout wraps fasthttp.ErrTimeout.
+// failure is a *DialError; a timeout wraps fasthttp.ErrTimeout. A request
+// that meets a pooled connection the encoder had already closed is sent on
+// another connection: provably nothing of it was delivered.
 func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
 	e.inflight.Add(1)
 	e.requests.Add(1)
@@ -56,8 +58,18 @@ func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout tim
 	req.Header.SetHost(e.host)
 	req.URI().SetScheme(e.scheme)
 	resp.Header.SetNoDefaultContentType(true)
-	return e.client.DoTimeout(req, resp, timeout)
+	deadline := time.Now().Add(timeout)
+	for attempt := 0; ; attempt++ {
+		err := e.client.DoDeadline(req, resp, deadline)
+		if err == nil || !IsStale(err) || attempt == maxStaleRetries {
+			return err
+		}
+	}
 }
+
+// maxStaleRetries bounds re-sends after stale pooled connections; each
+// closes the stale connection, so the pool drains quickly.
+const maxStaleRetries = 8
 
 // Pool holds the fleet and the pin table. It is safe for concurrent use.
 type Pool struct {
@@ -128,7 +140,7 @@ func newEncoder(ec EncoderConfig, cc ClientConfig) (*Encoder, error) {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return c, nil
+			return newProbedConn(c), nil
 		},
 	}
 	e.usable.Store(true)

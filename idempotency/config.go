@@ -1,0 +1,99 @@
+// Package idempotency makes a repeated /send invisible: exactly one /send per
+// (req_id, destination) reaches the encoder and every caller gets that one
+// answer. Concurrent duplicates coalesce on the first, later ones replay the
+// stored answer, a key reused with a different payload is refused, and once
+// receive_count distinct destinations are done the req_id is released.
+package idempotency
+
+import (
+	"strings"
+
+	"github.com/encgate/encgate/internal/configfile"
+)
+
+// Config is the `idempotency:` section of the gateway config.
+type Config struct {
+	// Store is memory (one gateway) or redis (several replicas share it).
+	Store string `yaml:"store"`
+	// Capacity bounds the records the memory store holds (default 1,000,000);
+	// past it the req_ids nearest to expiry are dropped, counted in a metric.
+	Capacity int `yaml:"capacity"`
+	// TTL is how long a req_id's records and release state are kept after its
+	// last /send (default 10m).
+	TTL configfile.Duration `yaml:"ttl"`
+	// ClaimTTL bounds how long one replica may hold a key while its /send is
+	// in flight (default 5m); the /send exchange is cut off before it. It
+	// only matters for the redis store, where a crashed replica's claim must
+	// not block the key forever.
+	ClaimTTL configfile.Duration `yaml:"claim_ttl"`
+	// Redis configures the redis store.
+	Redis RedisConfig `yaml:"redis"`
+}
+
+// RedisConfig configures the redis store.
+type RedisConfig struct {
+	Addr      string `yaml:"addr"`       // host:port (default 127.0.0.1:6379)
+	Username  string `yaml:"username"`   // ACL user (default none)
+	Password  string `yaml:"password"`   // (default none)
+	DB        int    `yaml:"db"`         // database number (default 0)
+	KeyPrefix string `yaml:"key_prefix"` // prefix of every key and channel (default "encgate:")
+	// FailOpen forwards /sends without dedupe while Redis is unreachable
+	// (counted in encgate_idempotency_fail_open_total). Off by default: the
+	// caller then gets a 503 envelope and nothing is forwarded.
+	FailOpen     bool                `yaml:"fail_open"`
+	DialTimeout  configfile.Duration `yaml:"dial_timeout"`  // default 1s
+	Timeout      configfile.Duration `yaml:"timeout"`       // per command read/write (default 1s)
+	PoolSize     int                 `yaml:"pool_size"`     // connections (default 64)
+	PollInterval configfile.Duration `yaml:"poll_interval"` // how often a waiter re-reads the record besides pub/sub (default 100ms)
+}
+
+// DefaultConfig returns the idempotency defaults.
+func DefaultConfig() Config {
+	return Config{
+		Store:    "memory",
+		Capacity: 1_000_000,
+		TTL:      configfile.Duration(600e9),
+		ClaimTTL: configfile.Duration(300e9),
+		Redis: RedisConfig{
+			Addr:         "127.0.0.1:6379",
+			KeyPrefix:    "encgate:",
+			DialTimeout:  configfile.Duration(1e9),
+			Timeout:      configfile.Duration(1e9),
+			PoolSize:     64,
+			PollInterval: configfile.Duration(100e6),
+		},
+	}
+}
+
+// Validate checks the section; path is its field path.
+func (c Config) Validate(p *configfile.Problems, path string) {
+	switch c.Store {
+	case "memory", "redis":
+	default:
+		p.Addf(path+".store", "must be memory or redis, got %q", c.Store)
+	}
+	if c.Capacity < 1 {
+		p.Addf(path+".capacity", "must be >= 1, got %d", c.Capacity)
+	}
+	p.Positive(path+".ttl", c.TTL)
+	p.Positive(path+".claim_ttl", c.ClaimTTL)
+	if c.Store != "redis" {
+		return
+	}
+	r, rp := c.Redis, path+".redis"
+	if r.Addr == "" || !strings.Contains(r.Addr, ":") {
+		p.Addf(rp+".addr", "must be host:port, got %q", r.Addr)
+	}
+	if r.DB < 0 {
+		p.Addf(rp+".db", "must be >= 0, got %d", r.DB)
+	}
+	if r.KeyPrefix == "" {
+		p.Addf(rp+".key_prefix", "must not be empty (keys would collide with other users of the database)")
+	}
+	p.Positive(rp+".dial_timeout", r.DialTimeout)
+	p.Positive(rp+".timeout", r.Timeout)
+	p.Positive(rp+".poll_interval", r.PollInterval)
+	if r.PoolSize < 1 {
+		p.Addf(rp+".pool_size", "must be >= 1, got %d", r.PoolSize)
+	}
+}

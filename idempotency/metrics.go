@@ -1,0 +1,66 @@
+package idempotency
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the dedupe collectors, registered on the registry passed in.
+type Metrics struct {
+	forwarded    prometheus.Counter
+	inflight     prometheus.Counter
+	replay       prometheus.Counter
+	released     prometheus.Counter
+	conflicts    prometheus.Counter
+	waitTimeouts prometheus.Counter
+	failOpen     prometheus.Counter
+	storeErrors  *prometheus.CounterVec
+}
+
+// NewMetrics registers the dedupe metrics. For the memory store it also
+// exports its record count and evictions.
+func NewMetrics(reg prometheus.Registerer, mem *Memory) *Metrics {
+	dup := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_send_duplicates_suppressed_total",
+		Help: "Duplicate /sends answered without reaching the encoder, by reason: inflight (coalesced), replay (stored answer), released (req_id already released).",
+	}, []string{"reason"})
+	m := &Metrics{
+		forwarded: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_send_forwarded_total",
+			Help: "/sends forwarded to an encoder (or its agent).",
+		}),
+		inflight: dup.WithLabelValues("inflight"),
+		replay:   dup.WithLabelValues("replay"),
+		released: dup.WithLabelValues("released"),
+		conflicts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_send_conflicts_total",
+			Help: "/sends refused with 422: the key was used with a different session_id or buffer_address.",
+		}),
+		waitTimeouts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_send_wait_timeouts_total",
+			Help: "Duplicate /sends whose deadline passed while the first was still in flight (504).",
+		}),
+		failOpen: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_idempotency_fail_open_total",
+			Help: "/sends forwarded without dedupe because the store was unreachable (redis.fail_open).",
+		}),
+		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_idempotency_store_errors_total",
+			Help: "Failed store operations, by operation.",
+		}, []string{"op"}),
+	}
+	reg.MustRegister(dup, m.forwarded, m.conflicts, m.waitTimeouts, m.failOpen, m.storeErrors)
+	for _, op := range []string{"claim", "complete", "abandon"} {
+		m.storeErrors.WithLabelValues(op)
+	}
+	if mem != nil {
+		reg.MustRegister(
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "encgate_idempotency_records",
+				Help: "/send records held by the memory store.",
+			}, func() float64 { return float64(mem.Records()) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "encgate_idempotency_evictions_total",
+				Help: "Live /send records dropped because idempotency.capacity was reached.",
+			}, func() float64 { return float64(mem.Evictions()) }),
+		)
+	}
+	return m
+}

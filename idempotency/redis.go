@@ -1,0 +1,586 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// Redis is the store that several gateway replicas share. Each Store method
+// is one Lua script, so a step of the protocol is atomic on the server.
+//
+// Keys (P = KeyPrefix, R = req_id, D = destination). The hash tag {R} puts
+// all of one req_id's keys in one cluster slot, which the scripts need:
+//
+//	P{R}:rec:D    record of (R, D)                               PX ttl
+//	P{R}:claim:D  claim on (R, D) while one replica forwards it  PX claim_ttl
+//	P{R}:claims   set of R's destinations claimed lately (admin) PX claim_ttl
+//	P{R}:dests    set of R's destinations with a record          PX ttl
+//	P{R}:count    R's receive_count: the first positive one seen PX ttl
+//	P{R}:rel      present once R is released                     PX ttl
+//	P{R}:done:D   pub/sub channel: the claim on (R, D) ended
+//
+// Every Complete adds D to dests (whatever its receive_count, as the memory
+// store counts every destination) and renews the TTL of all of R's keys,
+// records of other destinations included: like the memory store, which
+// keeps a req_id's records together, no record expires while its req_id's
+// release state lives on.
+//
+// A claim's value is a random 16-byte token followed by the holder's
+// Fingerprint (two big-endian uint64s): Busy reports the holder's
+// fingerprint, and only the holder (this process, which keeps the token
+// until Complete or Abandon) may abandon it. A Claim that go-redis sends
+// again after a lost reply finds its own token and is granted again.
+//
+// Record encoding (binary, version 1):
+//
+//	byte     1 (version)
+//	varint   Status
+//	8 bytes  FP.SessionID, big-endian
+//	8 bytes  FP.BufferAddress, big-endian
+//	uvarint  len(ContentType), then ContentType
+//	uvarint  len(Body), then Body (nothing may follow)
+//
+// Await waits on one pub/sub connection per Redis, started by the first
+// Await: one goroutine reads it and wakes the waiters of each channel,
+// another alone issues SUBSCRIBE and UNSUBSCRIBE (in order, batched), so
+// waiters never block on them. A waiter re-reads the key (record? claim?)
+// once at the start, after every message on its channel, after every
+// subscription confirmation of its channel and every PollInterval. The
+// confirmation comes only once the server has the subscription, so the
+// re-read after it sees any change made before, and any change after is
+// published to the waiter: no wake-up is lost. go-redis reconnects the
+// connection and subscribes again after Redis restarts; the confirmations
+// then wake the waiters, and polling covers whatever pub/sub misses.
+//
+// Every failure to reach Redis satisfies errors.Is(err, ErrUnavailable),
+// except when the caller's own context ended first: then the error wraps the
+// context's. Complete and Abandon ignore the caller's cancellation (the
+// encoder has been called; dropping the write would let a duplicate through
+// or block the key for claim_ttl); each operation is bounded by
+// dial_timeout + timeout.
+type Redis struct {
+	c         *redis.Client
+	log       *zap.Logger
+	prefix    string
+	ttlMS     int64
+	claimTTL  time.Duration
+	opTimeout time.Duration // bound on one operation, retries included
+	poll      time.Duration
+
+	mu        sync.Mutex // protects tokens, nextPrune, hub and closed
+	tokens    map[Key]claimToken
+	nextPrune time.Time
+	hub       *redisHub // started by the first Await
+	closed    bool
+
+	done chan struct{}  // closed by Close: waiters leave
+	bg   sync.WaitGroup // cleanups of failed claims
+}
+
+// claimToken is the token of a claim this process holds.
+type claimToken struct {
+	token   string
+	expires time.Time
+}
+
+var _ Store = (*Redis)(nil)
+
+const (
+	tokenLen      = 16
+	claimValueLen = tokenLen + 16
+	recordVersion = 1
+)
+
+// NewRedis returns a store over the Redis at cfg.Addr. Records and release
+// state live for ttl, claims for claimTTL. It does not contact Redis; call
+// Ping to check that it answers. Zero durations and sizes in cfg take the
+// defaults of DefaultConfig.
+func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, log *zap.Logger) (*Redis, error) {
+	def := DefaultConfig().Redis
+	if cfg.Addr == "" {
+		return nil, errors.New("idempotency: redis addr is empty")
+	}
+	if ttl < time.Millisecond || claimTTL < time.Millisecond {
+		return nil, fmt.Errorf("idempotency: ttl (%v) and claim_ttl (%v) must be at least 1ms", ttl, claimTTL)
+	}
+	if cfg.KeyPrefix == "" {
+		cfg.KeyPrefix = def.KeyPrefix
+	}
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = def.DialTimeout
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = def.Timeout
+	}
+	if cfg.PoolSize <= 0 {
+		cfg.PoolSize = def.PoolSize
+	}
+	if cfg.PollInterval <= 0 {
+		cfg.PollInterval = def.PollInterval
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	c := redis.NewClient(&redis.Options{
+		Addr:                  cfg.Addr,
+		Username:              cfg.Username,
+		Password:              cfg.Password,
+		DB:                    cfg.DB,
+		DialTimeout:           cfg.DialTimeout.D(),
+		ReadTimeout:           cfg.Timeout.D(),
+		WriteTimeout:          cfg.Timeout.D(),
+		ContextTimeoutEnabled: true,
+		PoolSize:              cfg.PoolSize,
+		// One retry replaces a pooled connection that died with a restart;
+		// every script is safe to repeat (see Claim).
+		MaxRetries:      1,
+		DialerRetries:   1,
+		DisableIdentity: true,
+	})
+	return &Redis{
+		c:         c,
+		log:       log,
+		prefix:    cfg.KeyPrefix,
+		ttlMS:     ttl.Milliseconds(),
+		claimTTL:  claimTTL,
+		opTimeout: cfg.DialTimeout.D() + cfg.Timeout.D(),
+		poll:      cfg.PollInterval.D(),
+		tokens:    make(map[Key]claimToken),
+		done:      make(chan struct{}),
+	}, nil
+}
+
+// Close stops the pub/sub reader and closes every connection.
+func (r *Redis) Close() error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	r.closed = true
+	h := r.hub
+	r.mu.Unlock()
+	close(r.done)
+	r.bg.Wait()
+	if h != nil {
+		h.close()
+	}
+	return r.c.Close()
+}
+
+// Ping checks that Redis answers.
+func (r *Redis) Ping(ctx context.Context) error {
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	if err := r.c.Ping(octx).Err(); err != nil {
+		return r.fail(ctx, "ping", err)
+	}
+	return nil
+}
+
+// Key names.
+
+func (r *Redis) base(reqID string) string { return r.prefix + "{" + reqID + "}" }
+
+type redisKeys struct {
+	rec, claim, claims, dests, count, rel, done string
+	recPrefix, claimPrefix                      string
+}
+
+func (r *Redis) keys(k Key) redisKeys {
+	b := r.base(k.ReqID)
+	return redisKeys{
+		rec:         b + ":rec:" + k.Dest,
+		claim:       b + ":claim:" + k.Dest,
+		claims:      b + ":claims",
+		dests:       b + ":dests",
+		count:       b + ":count",
+		rel:         b + ":rel",
+		done:        b + ":done:" + k.Dest,
+		recPrefix:   b + ":rec:",
+		claimPrefix: b + ":claim:",
+	}
+}
+
+// Scripts. KEYS name every key a script touches, except the records that
+// Complete and Inspect reach through the dests set (same hash tag, so the
+// same slot).
+var (
+	// KEYS: a, b. Returns the value of a, else EXISTS b.
+	getOrExistsScript = redis.NewScript(`
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+return redis.call('EXISTS', KEYS[2])
+`)
+
+	// KEYS: rec, rel, claim, claims. ARGV: claim value, claimTTL ms, dest.
+	// Returns {0} claimed, {1, record} recorded, {2} released,
+	// {3, holder's claim value} busy.
+	claimScript = redis.NewScript(`
+local rec = redis.call('GET', KEYS[1])
+if rec then return {1, rec} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {2} end
+local cur = redis.call('GET', KEYS[3])
+if cur and string.sub(cur, 1, 16) ~= string.sub(ARGV[1], 1, 16) then return {3, cur} end
+redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[3])
+if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[4], ARGV[2])
+end
+return {0}
+`)
+
+	// KEYS: rec, claim, claims, dests, count, rel.
+	// ARGV: record, ttl ms, receive_count, dest, done channel, rec prefix.
+	// Keeps the first record of a key, ends any claim on it, counts the
+	// destination, renews the req_id's keys, wakes the waiters and returns
+	// 1 when the req_id is released.
+	completeScript = redis.NewScript(`
+local ttl = ARGV[2]
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ttl) then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[4])
+redis.call('SADD', KEYS[4], ARGV[4])
+redis.call('PEXPIRE', KEYS[4], ttl)
+local count = tonumber(redis.call('GET', KEYS[5]) or '0')
+local rc = tonumber(ARGV[3])
+if count == 0 and rc > 0 then count = rc end
+if count > 0 then redis.call('SET', KEYS[5], count, 'PX', ttl) end
+local released = redis.call('EXISTS', KEYS[6]) == 1
+if not released and count > 0 and redis.call('SCARD', KEYS[4]) >= count then released = true end
+if released then redis.call('SET', KEYS[6], '1', 'PX', ttl) end
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  if d ~= ARGV[4] then redis.call('PEXPIRE', ARGV[6] .. d, ttl) end
+end
+redis.call('PUBLISH', ARGV[5], '1')
+if released then return 1 end
+return 0
+`)
+
+	// KEYS: claim, claims. ARGV: token, done channel, dest.
+	// Ends the claim if it still holds token and wakes the waiters.
+	abandonScript = redis.NewScript(`
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, 16) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[3])
+  redis.call('PUBLISH', ARGV[2], '0')
+  return 1
+end
+return 0
+`)
+
+	// KEYS: dests, count, rel, claims. ARGV: rec prefix, claim prefix.
+	// Returns {count, released, {dest, record, ...}, {in-flight dest, ...}}.
+	inspectScript = redis.NewScript(`
+local recs = {}
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  recs[#recs + 1] = d
+  recs[#recs + 1] = redis.call('GET', ARGV[1] .. d) or ''
+end
+local flying = {}
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  if redis.call('EXISTS', ARGV[2] .. d) == 1 then flying[#flying + 1] = d end
+end
+return {redis.call('GET', KEYS[2]) or '0', redis.call('EXISTS', KEYS[3]), recs, flying}
+`)
+)
+
+// Lookup implements Store.
+func (r *Redis) Lookup(ctx context.Context, k Key) (Record, bool, bool, error) {
+	ks := r.keys(k)
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	v, err := getOrExistsScript.Run(octx, r.c, []string{ks.rec, ks.rel}).Result()
+	if err != nil {
+		return Record{}, false, false, r.fail(ctx, "lookup", err)
+	}
+	switch v := v.(type) {
+	case string:
+		rec, err := decodeRecord(v)
+		if err != nil {
+			return Record{}, false, false, fmt.Errorf("idempotency: %s: %w", ks.rec, err)
+		}
+		return *rec, true, false, nil
+	case int64:
+		return Record{}, false, v == 1, nil
+	}
+	return Record{}, false, false, fmt.Errorf("idempotency: lookup: unexpected reply %T", v)
+}
+
+// Claim implements Store. A fresh token marks the claim; go-redis may send
+// the script again after a lost reply, and the script then finds its own
+// token and grants the claim again instead of answering Busy.
+func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error) {
+	ks := r.keys(k)
+	val := make([]byte, claimValueLen)
+	_, _ = rand.Read(val[:tokenLen]) // never fails (crypto/rand)
+	binary.BigEndian.PutUint64(val[tokenLen:], fp.SessionID)
+	binary.BigEndian.PutUint64(val[tokenLen+8:], fp.BufferAddress)
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	res, err := claimScript.Run(octx, r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims},
+		val, r.claimTTL.Milliseconds(), k.Dest).Slice()
+	if err != nil {
+		// The claim may have been made with its reply lost; nobody else
+		// could end it before it expires, so try once to end it now.
+		r.cleanup(k, string(val[:tokenLen]))
+		return Claim{}, r.fail(ctx, "claim", err)
+	}
+	state, _ := res[0].(int64)
+	switch {
+	case state == 0:
+		r.keepToken(k, string(val[:tokenLen]))
+		return Claim{State: StateClaimed}, nil
+	case state == 1 && len(res) == 2:
+		s, _ := res[1].(string)
+		rec, err := decodeRecord(s)
+		if err != nil {
+			return Claim{}, fmt.Errorf("idempotency: %s: %w", ks.rec, err)
+		}
+		return Claim{State: StateRecorded, Record: rec}, nil
+	case state == 2:
+		return Claim{State: StateReleased}, nil
+	case state == 3 && len(res) == 2:
+		s, _ := res[1].(string)
+		if len(s) != claimValueLen {
+			return Claim{}, fmt.Errorf("idempotency: %s: corrupt claim (%d bytes)", ks.claim, len(s))
+		}
+		return Claim{State: StateBusy, FP: Fingerprint{
+			SessionID:     binary.BigEndian.Uint64([]byte(s[tokenLen:])),
+			BufferAddress: binary.BigEndian.Uint64([]byte(s[tokenLen+8:])),
+		}}, nil
+	}
+	return Claim{}, fmt.Errorf("idempotency: claim: unexpected reply %v", res)
+}
+
+// Complete implements Store. The first record of a key is kept (as in the
+// memory store); the claim on k ends whoever holds it, since with a record
+// in place the key needs no claim. The encoder has had the /send by now, so
+// the caller's cancellation or deadline does not stop the write; the store's
+// own bound (dial_timeout + timeout) does.
+func (r *Redis) Complete(ctx context.Context, k Key, rec *Record, receiveCount int) (bool, error) {
+	ctx = context.WithoutCancel(ctx)
+	r.takeToken(k)
+	ks := r.keys(k)
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	n, err := completeScript.Run(octx, r.c,
+		[]string{ks.rec, ks.claim, ks.claims, ks.dests, ks.count, ks.rel},
+		encodeRecord(rec), r.ttlMS, max(receiveCount, 0), k.Dest, ks.done, ks.recPrefix).Int64()
+	if err != nil {
+		return false, r.fail(ctx, "complete", err)
+	}
+	return n == 1, nil
+}
+
+// Abandon implements Store. It ends the claim only if this process holds
+// it, by the token Claim kept; with none it does nothing. Like Complete it
+// runs even when the caller has gone: otherwise the key stays blocked for
+// claim_ttl.
+func (r *Redis) Abandon(ctx context.Context, k Key) error {
+	tok := r.takeToken(k)
+	if tok == "" {
+		return nil
+	}
+	return r.abandon(context.WithoutCancel(ctx), k, tok)
+}
+
+func (r *Redis) abandon(ctx context.Context, k Key, tok string) error {
+	ks := r.keys(k)
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	if err := abandonScript.Run(octx, r.c, []string{ks.claim, ks.claims}, tok, ks.done, k.Dest).Err(); err != nil {
+		return r.fail(ctx, "abandon", err)
+	}
+	return nil
+}
+
+// Await implements Store: it returns when k has a record (ok), when no
+// claim on k is left without one (!ok), or when ctx ends (its error).
+func (r *Redis) Await(ctx context.Context, k Key) (*Record, bool, error) {
+	ks := r.keys(k)
+	h, err := r.startHub()
+	if err != nil {
+		return nil, false, err
+	}
+	w := h.add(ks.done)
+	defer h.remove(w)
+	tick := time.NewTicker(r.poll)
+	defer tick.Stop()
+	for {
+		octx, cancel := r.opCtx(ctx)
+		v, err := getOrExistsScript.Run(octx, r.c, []string{ks.rec, ks.claim}).Result()
+		cancel()
+		if err != nil {
+			return nil, false, r.fail(ctx, "await", err)
+		}
+		switch v := v.(type) {
+		case string:
+			rec, err := decodeRecord(v)
+			if err != nil {
+				return nil, false, fmt.Errorf("idempotency: %s: %w", ks.rec, err)
+			}
+			return rec, true, nil
+		case int64:
+			if v == 0 {
+				return nil, false, nil
+			}
+		default:
+			return nil, false, fmt.Errorf("idempotency: await: unexpected reply %T", v)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		case <-r.done:
+			return nil, false, &unavailableError{op: "await", err: redis.ErrClosed}
+		case <-w.wake:
+		case <-tick.C:
+		}
+	}
+}
+
+// Inspect implements Store.
+func (r *Redis) Inspect(ctx context.Context, reqID string) (ReqView, error) {
+	v := ReqView{ReqID: reqID}
+	ks := r.keys(Key{ReqID: reqID})
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	res, err := inspectScript.Run(octx, r.c, []string{ks.dests, ks.count, ks.rel, ks.claims},
+		ks.recPrefix, ks.claimPrefix).Slice()
+	if err != nil {
+		return v, r.fail(ctx, "inspect", err)
+	}
+	if len(res) != 4 {
+		return v, fmt.Errorf("idempotency: inspect: unexpected reply %v", res)
+	}
+	countText, _ := res[0].(string)
+	if v.ReceiveCount, err = strconv.Atoi(countText); err != nil {
+		return v, fmt.Errorf("idempotency: %s: %q is not a count", ks.count, countText)
+	}
+	released, _ := res[1].(int64)
+	v.Released = released == 1
+	recs, _ := res[2].([]any)
+	done := make(map[string]bool, len(recs)/2)
+	for i := 0; i+1 < len(recs); i += 2 {
+		dest, _ := recs[i].(string)
+		d := DestView{Dest: dest, State: "done"}
+		if s, _ := recs[i+1].(string); s != "" {
+			rec, err := decodeRecord(s)
+			if err != nil {
+				return v, fmt.Errorf("idempotency: %s%s: %w", ks.recPrefix, dest, err)
+			}
+			d.Status = rec.Status
+		}
+		done[dest] = true
+		v.Destinations = append(v.Destinations, d)
+	}
+	v.Done = len(v.Destinations)
+	flying, _ := res[3].([]any)
+	for _, x := range flying {
+		if dest, _ := x.(string); !done[dest] {
+			v.Destinations = append(v.Destinations, DestView{Dest: dest, State: "in_flight"})
+		}
+	}
+	sort.Slice(v.Destinations, func(i, j int) bool { return v.Destinations[i].Dest < v.Destinations[j].Dest })
+	return v, nil
+}
+
+// opCtx bounds one operation, retries included.
+func (r *Redis) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, r.opTimeout)
+}
+
+// fail turns an error from go-redis into the store's: the caller's context
+// error when that context ended, else an error that is ErrUnavailable.
+func (r *Redis) fail(ctx context.Context, op string, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("redis %s: %w", op, ctx.Err())
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		// Our own bound ran out: not the caller's deadline, so it must not
+		// read as one.
+		err = fmt.Errorf("no answer within %v", r.opTimeout)
+	}
+	return &unavailableError{op: op, err: err}
+}
+
+// unavailableError is a failed Redis operation; errors.Is matches it to
+// ErrUnavailable and to its cause.
+type unavailableError struct {
+	op  string
+	err error
+}
+
+func (e *unavailableError) Error() string        { return "redis " + e.op + ": " + e.err.Error() }
+func (e *unavailableError) Unwrap() error        { return e.err }
+func (e *unavailableError) Is(target error) bool { return target == ErrUnavailable }
+
+// keepToken remembers the token of a claim this process now holds. Entries
+// that Complete or Abandon never took (a caller that stopped in between)
+// are dropped once their claim has expired.
+func (r *Redis) keepToken(k Key, tok string) {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if now.After(r.nextPrune) {
+		for key, t := range r.tokens {
+			if now.After(t.expires) {
+				delete(r.tokens, key)
+			}
+		}
+		r.nextPrune = now.Add(r.claimTTL)
+	}
+	r.tokens[k] = claimToken{token: tok, expires: now.Add(r.claimTTL)}
+}
+
+// cleanup ends, in the background, a claim that a failed Claim may have
+// made. Close waits for it.
+func (r *Redis) cleanup(k Key, tok string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	r.bg.Add(1)
+	go func() {
+		defer r.bg.Done()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() {
+			select {
+			case <-r.done:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		if err := r.abandon(ctx, k, tok); err != nil {
+			r.log.Debug("ending a claim whose Claim failed; it expires with idempotency.claim_ttl",
+				zap.String("req_id", k.ReqID), zap.String("destination", k.Dest), zap.Error(err))
+		}
+	}()
+}
+
+// takeToken forgets and returns the token of this process's claim on k.
+func (r *Redis) takeToken(k Key) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t, ok := r.tokens[k]
+	if !ok {
+		return ""
+	}
+	delete(r.tokens, k)
+	return t.token
+}

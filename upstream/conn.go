@@ -1,0 +1,85 @@
+package upstream
+
+import (
+	"errors"
+	"net"
+	"syscall"
+)
+
+// errStaleConn means a pooled connection turned out to be closed by the
+// encoder before the request was written: nothing was delivered.
+var errStaleConn = errors.New("upstream: the encoder had closed the pooled connection; nothing was sent")
+
+// StaleConnError wraps errStaleConn with the probe's cause.
+type StaleConnError struct{ Err error }
+
+func (e *StaleConnError) Error() string { return errStaleConn.Error() + ": " + e.Err.Error() }
+
+// Unwrap returns the cause.
+func (e *StaleConnError) Unwrap() []error { return []error{errStaleConn, e.Err} }
+
+// IsStale reports whether err proves nothing was written because the
+// connection was already closed by the encoder.
+func IsStale(err error) bool { return errors.Is(err, errStaleConn) }
+
+// probedConn checks, before a request is written on a connection that has
+// already carried one, whether the encoder closed it while it sat idle in
+// the pool. Encoders behind uvicorn close idle keep-alive connections after
+// 5 s; writing a request into such a socket would make "was it delivered?"
+// unanswerable, and /send must never be sent twice.
+type probedConn struct {
+	net.Conn
+	raw  syscall.RawConn
+	used bool // a response was read since the last write
+}
+
+func newProbedConn(c net.Conn) net.Conn {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return c
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return c
+	}
+	return &probedConn{Conn: c, raw: raw}
+}
+
+func (c *probedConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if n > 0 {
+		c.used = true
+	}
+	return n, err
+}
+
+func (c *probedConn) Write(b []byte) (int, error) {
+	if c.used {
+		c.used = false
+		if err := c.probe(); err != nil {
+			return 0, &StaleConnError{Err: err}
+		}
+	}
+	return c.Conn.Write(b)
+}
+
+// probe peeks without blocking: EOF or an error means the peer closed.
+func (c *probedConn) probe() error {
+	var probeErr error
+	err := c.raw.Read(func(fd uintptr) bool {
+		var buf [1]byte
+		n, _, rerr := syscall.Recvfrom(int(fd), buf[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		switch {
+		case rerr == syscall.EAGAIN || rerr == syscall.EWOULDBLOCK:
+		case rerr != nil:
+			probeErr = rerr
+		case n == 0:
+			probeErr = errors.New("EOF while idle")
+		}
+		return true // never wait
+	})
+	if err != nil {
+		return err
+	}
+	return probeErr
+}
