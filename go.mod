@@ -6,6 +6,7 @@ require (
 	github.com/cespare/xxhash/v2 v2.3.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/redis/go-redis/v9 v9.23.0
+	github.com/sony/gobreaker/v2 v2.4.0
 	github.com/valyala/fasthttp v1.78.0
 	github.com/valyala/fastjson v1.6.10
 	go.uber.org/goleak v1.3.0

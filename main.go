@@ -104,7 +104,7 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n", *path, len(cfg.Encoders))
 		return 0
 	}
-	log, err := newLogger(cfg.Log.Level)
+	log, level, err := newLogger(cfg.Log.Level)
 	if err != nil {
 		fmt.Fprintln(stderr, "gateway:", err)
 		return 2
@@ -112,7 +112,7 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 	defer func() { _ = log.Sync() }()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
+	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
 	if err != nil {
 		log.Error("building gateway", zap.Error(err))
 		return 1
@@ -121,20 +121,29 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		log.Error("starting gateway", zap.Error(err))
 		return 1
 	}
-	return waitAndDrain(srv, cfg, log)
+	return serveUntilSignal(srv, *path, cfg, log)
 }
 
-func waitAndDrain(srv *gateway.Server, cfg gateway.Config, log *zap.Logger) int {
+// serveUntilSignal reloads the config on SIGHUP (an invalid file is refused
+// and the running config stays) and drains on SIGINT/SIGTERM.
+func serveUntilSignal(srv *gateway.Server, path string, cfg gateway.Config, log *zap.Logger) int {
 	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	defer signal.Stop(sigs)
-	select {
-	case sig := <-sigs:
-		log.Info("signal received, draining", zap.String("signal", sig.String()),
-			zap.Duration("grace", cfg.Shutdown.Grace.D()))
-	case err := <-srv.Done():
-		log.Error("listener stopped", zap.Error(err))
-		return 1
+	for draining := false; !draining; {
+		select {
+		case sig := <-sigs:
+			if sig == syscall.SIGHUP {
+				reload(srv, path, log)
+				continue
+			}
+			log.Info("signal received, draining", zap.String("signal", sig.String()),
+				zap.Duration("grace", cfg.Shutdown.Grace.D()))
+			draining = true
+		case err := <-srv.Done():
+			log.Error("listener stopped", zap.Error(err))
+			return 1
+		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Grace.D())
 	defer cancel()
@@ -145,28 +154,50 @@ func waitAndDrain(srv *gateway.Server, cfg gateway.Config, log *zap.Logger) int 
 	return 0
 }
 
-func printProblems(w io.Writer, path string, err error) {
-	fmt.Fprintf(w, "%s: invalid config\n", path)
-	var joined interface{ Unwrap() []error }
-	if errors.As(err, &joined) {
-		for _, e := range joined.Unwrap() {
-			fmt.Fprintf(w, "  %v\n", e)
-		}
-		return
+func reload(srv *gateway.Server, path string, log *zap.Logger) {
+	next, err := gateway.LoadConfig(path)
+	if err == nil {
+		err = srv.Reload(next)
+	} else {
+		srv.RefuseReload()
 	}
-	fmt.Fprintf(w, "  %v\n", err)
+	if err != nil {
+		log.Error("config reload refused; the running config stays", zap.String("config", path),
+			zap.Strings("problems", problemList(err)))
+	}
 }
 
-func newLogger(level string) (*zap.Logger, error) {
+// problemList splits a joined validation error into its field-path lines.
+func problemList(err error) []string {
+	var joined interface{ Unwrap() []error }
+	if errors.As(err, &joined) {
+		var out []string
+		for _, e := range joined.Unwrap() {
+			out = append(out, e.Error())
+		}
+		return out
+	}
+	return []string{err.Error()}
+}
+
+func printProblems(w io.Writer, path string, err error) {
+	fmt.Fprintf(w, "%s: invalid config\n", path)
+	for _, p := range problemList(err) {
+		fmt.Fprintf(w, "  %s\n", p)
+	}
+}
+
+func newLogger(level string) (*zap.Logger, zap.AtomicLevel, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
-		return nil, err
+		return nil, zap.AtomicLevel{}, err
 	}
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	zc.EncoderConfig.TimeKey = "ts"
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	return zc.Build()
+	log, err := zc.Build()
+	return log, zc.Level, err
 }
 
 func runFakeEncoder(args []string, stderr io.Writer) int {

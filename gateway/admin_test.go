@@ -1,6 +1,8 @@
 package gateway
 
 import (
+	"github.com/encgate/encgate/upstream"
+
 	"context"
 	"encoding/json"
 	"io"
@@ -36,7 +38,8 @@ func wantLines(t *testing.T, text string, lines ...string) {
 
 func TestMetrics(t *testing.T) {
 	encs := startFakes(t, 1, nil)
-	g := startGateway(t, []string{encs[0].URL(), "http://" + deadAddr(t)}, nil)
+	// One attempt: the gateway's own 502 for the dead encoder is what is measured.
+	g := startGateway(t, []string{encs[0].URL(), "http://" + deadAddr(t)}, func(c *Config) { c.Retry.Encode.MaxAttempts = 1 })
 	okID := ownedBy(t, g, "enc-0", "m-ok")
 	if a := post(t, g.base+"/encode", encodeBody(okID)); a.status != 200 {
 		t.Fatalf("/encode: %d %s", a.status, a.body)
@@ -115,9 +118,23 @@ func TestAdminHealthReadyAndUpstreams(t *testing.T) {
 	if len(got) != len(wantRows) {
 		t.Fatalf("got %d rows, want %d: %s", len(got), len(wantRows), a.body)
 	}
+	wantRows[0].State, wantRows[1].State = "up", "disabled"
 	for i := range wantRows {
+		got[i].Breaker, got[i].Health = BreakerView{}, upstream.HealthSnapshot{} // checked below
 		if got[i] != wantRows[i] {
 			t.Errorf("row %d = %+v, want %+v", i, got[i], wantRows[i])
+		}
+	}
+	var raw []struct {
+		Breaker BreakerView             `json:"breaker"`
+		Health  upstream.HealthSnapshot `json:"health"`
+	}
+	if err := json.Unmarshal([]byte(a.body), &raw); err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range raw {
+		if r.Breaker.State != "closed" || r.Breaker.TotalFailures != 0 || !r.Health.Up {
+			t.Errorf("row %d passive/active state %+v %+v", i, r.Breaker, r.Health)
 		}
 	}
 }

@@ -29,6 +29,12 @@ type Config struct {
 	Affinity upstream.AffinityConfig `yaml:"affinity"`
 	// Upstream controls connections to encoders.
 	Upstream upstream.ClientConfig `yaml:"upstream"`
+	// Retry is the per-route retry policy and the retry budget.
+	Retry upstream.RetryConfig `yaml:"retry"`
+	// Breaker is the per-encoder circuit breaker.
+	Breaker upstream.BreakerConfig `yaml:"breaker"`
+	// Health is the active health check of every encoder.
+	Health upstream.HealthConfig `yaml:"health"`
 	// Idempotency controls /send deduplication.
 	Idempotency idempotency.Config `yaml:"idempotency"`
 	// Limits bounds what a caller can make the gateway hold.
@@ -72,6 +78,9 @@ func DefaultConfig() Config {
 		AdminListen: "127.0.0.1:9090",
 		Affinity:    upstream.DefaultAffinity(),
 		Upstream:    upstream.DefaultClient(),
+		Retry:       upstream.DefaultRetry(),
+		Breaker:     upstream.DefaultBreaker(),
+		Health:      upstream.DefaultHealth(),
 		Idempotency: idempotency.DefaultConfig(),
 		Limits: LimitsConfig{
 			MaxBodyBytes: 8 << 20,
@@ -105,6 +114,9 @@ func (c Config) Validate() error {
 	upstream.ValidateEncoders(&p, "encoders", c.Encoders)
 	c.Affinity.Validate(&p, "affinity")
 	c.Upstream.Validate(&p, "upstream")
+	c.Retry.Validate(&p, "retry")
+	c.Breaker.Validate(&p, "breaker")
+	c.Health.Validate(&p, "health")
 	c.Idempotency.Validate(&p, "idempotency")
 	if c.Limits.MaxBodyBytes < 1024 {
 		p.Addf("limits.max_body_bytes", "must be >= 1KiB, got %s", c.Limits.MaxBodyBytes)

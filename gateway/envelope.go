@@ -44,13 +44,14 @@ var errRequestTooLarge = errors.New("request body too large")
 func statusFor(err error) int {
 	var dial *upstream.DialError
 	var unknown *upstream.UnknownEncoderError
+	var unusable *upstream.UnusableEncoderError
 	var bad *requestError
 	switch {
 	case errors.As(err, &bad):
 		return fasthttp.StatusBadRequest
 	case errors.Is(err, errRequestTooLarge):
 		return fasthttp.StatusRequestEntityTooLarge
-	case errors.Is(err, upstream.ErrNoEncoder), errors.As(err, &unknown),
+	case errors.Is(err, upstream.ErrNoEncoder), errors.As(err, &unknown), errors.As(err, &unusable),
 		errors.Is(err, fasthttp.ErrNoFreeConns):
 		return fasthttp.StatusServiceUnavailable
 	case errors.As(err, &dial):
@@ -71,7 +72,7 @@ func messageFor(err error, enc *upstream.Encoder) string {
 		return bad.msg
 	case errors.Is(err, upstream.ErrNoEncoder):
 		return "encgate: no usable encoder"
-	case enc == nil:
+	case enc == nil || isUnusable(err):
 		return "encgate: " + err.Error()
 	case errors.Is(err, fasthttp.ErrNoFreeConns):
 		return fmt.Sprintf("encgate: encoder %s has no free connection (upstream.max_conns_per_encoder)", enc.Name)
@@ -86,10 +87,9 @@ func messageFor(err error, enc *upstream.Encoder) string {
 	}
 }
 
-// notDelivered reports whether err proves that no byte of the request
-// reached the encoder, so sending it again cannot duplicate it.
-func notDelivered(err error) bool {
-	return isDial(err) || upstream.IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns)
+func isUnusable(err error) bool {
+	var u *upstream.UnusableEncoderError
+	return errors.As(err, &u)
 }
 
 func isDial(err error) bool {

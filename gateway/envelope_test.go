@@ -212,7 +212,9 @@ func TestDialFailureIs502NamingTheEncoder(t *testing.T) {
 func TestUpstreamTimeoutIs504(t *testing.T) {
 	encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) { o.Faults.Hang = true })
 	g := startGateway(t, fakeURLs(encs), func(c *Config) {
-		c.Upstream.Timeout = 200e6 // 200ms
+		for _, pol := range []*upstream.RetryPolicy{&c.Retry.Encode, &c.Retry.Metadata, &c.Retry.ReceiveURL, &c.Retry.Send} {
+			pol.PerTryTimeout, pol.MaxAttempts = 200e6, 1 // 200ms, no retry
+		}
 	})
 	msg := wantEnvelope(t, post(t, g.base+"/encode", encodeBody("t1")), 504, strp("t1"))
 	if !strings.Contains(msg, "encoder enc-0 did not answer in time") {
@@ -399,7 +401,7 @@ func TestFailedEncodeFromTheEncoderIsRemembered(t *testing.T) {
 
 func TestFailedEncodeInTheGatewayIsRemembered(t *testing.T) {
 	encs := startFakes(t, 1, nil)
-	g := startGateway(t, []string{"http://" + deadAddr(t), encs[0].URL()}, nil)
+	g := startGateway(t, []string{"http://" + deadAddr(t), encs[0].URL()}, func(c *Config) { c.Retry.Encode.MaxAttempts = 1 })
 	dead := g.Pool().Encoders()[0]
 	id := ownedBy(t, g, dead.Name, "gone")
 	msg := wantEnvelope(t, post(t, g.base+"/encode", encodeBody(id)), 502, strp(id))

@@ -92,20 +92,24 @@ func (s *Server) newCall(ctx *fasthttp.RequestCtx, rt *route) (*call, error) {
 	return &call{ctx: ctx, route: rt, reqID: reqID}, nil
 }
 
-// serveEncode routes /encode to the req_id's rendezvous owner, pins it, and
-// remembers a failure so that follow-ups fail fast.
+// serveEncode routes /encode to the req_id's rendezvous owner and pins it.
+// A retry (only where nothing was delivered, or the encoder refused before
+// dispatch) goes to the next encoder in rendezvous order and re-pins. A
+// final non-200 is remembered so that follow-ups fail fast.
 func (s *Server) serveEncode(c *call) {
-	enc, err := s.pool.Owner(c.reqID)
-	if err != nil {
-		s.failCall(c, err)
+	var buf [16]*upstream.Encoder
+	ranked := s.pool.Ranked(c.reqID, buf[:0])
+	if len(ranked) == 0 {
+		s.failCall(c, upstream.ErrNoEncoder)
 		return
 	}
-	c.enc = enc
-	s.pool.Pins.Set(c.reqID, enc.Name)
-	if err := s.forward(c, s.cfg.Upstream.Timeout.D()); err != nil {
-		s.failCall(c, err)
-		return
-	}
+	s.attempt(c, func(n int) *upstream.Encoder {
+		if n > len(ranked) {
+			return nil
+		}
+		s.pool.Pins.Set(c.reqID, ranked[n-1].Name)
+		return ranked[n-1]
+	}, 0)
 	if code := c.ctx.Response.StatusCode(); code != fasthttp.StatusOK {
 		s.pool.Pins.Fail(c.reqID, code, upstreamMessage(c.ctx.Response.Body()))
 	}
@@ -113,13 +117,15 @@ func (s *Server) serveEncode(c *call) {
 
 // serveFollowUp sends a follow-up to the encoder that holds the req_id.
 func (s *Server) serveFollowUp(c *call) {
-	s.followUp(c, s.cfg.Upstream.Timeout.D())
+	s.followUp(c, 0)
 }
 
-// followUp routes c to its encoder and forwards it within timeout. It
+// followUp routes c to its encoder and runs its attempts there (the
+// req_id's state lives on that encoder), within limit when positive. It
 // reports whether the request may have reached the encoder: false when the
-// gateway answered itself (remembered failure, no encoder, connect failure).
-func (s *Server) followUp(c *call, timeout time.Duration) (delivered bool) {
+// gateway answered itself (remembered failure, no usable encoder, connect
+// failure).
+func (s *Server) followUp(c *call, limit time.Duration) (delivered bool) {
 	enc, pin, err := s.pool.Route(c.reqID, c.ctx.Done())
 	if err != nil {
 		s.failCall(c, err)
@@ -130,12 +136,7 @@ func (s *Server) followUp(c *call, timeout time.Duration) (delivered bool) {
 		writeEnvelope(c.ctx, pin.Status, pin.Message, &c.reqID)
 		return false
 	}
-	c.enc = enc
-	if err := s.forward(c, timeout); err != nil {
-		s.failCall(c, err)
-		return !notDelivered(err)
-	}
-	return true
+	return s.attempt(c, func(n int) *upstream.Encoder { return enc }, limit)
 }
 
 // failCall answers with the gateway's own envelope for err; a failed
@@ -254,7 +255,7 @@ func (s *Server) profileOne(ctx *fasthttp.RequestCtx, rt *route, enc *upstream.E
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	s.buildRequest(ctx, rt, req)
-	err := enc.Do(req, resp, s.cfg.Upstream.Timeout.D())
+	err := enc.Do(req, resp, s.conf().Upstream.Timeout.D())
 	s.metrics.observeUpstream(enc, rt, resp.StatusCode(), err)
 	if err != nil {
 		return profileAnswer{name: enc.Name, status: statusFor(err), text: messageFor(err, enc)}
@@ -267,7 +268,7 @@ func (s *Server) profileOne(ctx *fasthttp.RequestCtx, rt *route, enc *upstream.E
 func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		writeEnvelope(ctx, fasthttp.StatusRequestEntityTooLarge,
-			"encgate: request body exceeds limits.max_body_bytes ("+s.cfg.Limits.MaxBodyBytes.String()+")", nil)
+			"encgate: request body exceeds limits.max_body_bytes ("+s.conf().Limits.MaxBodyBytes.String()+")", nil)
 	} else if upstream.IsTimeout(err) {
 		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time", nil)
 	} else {

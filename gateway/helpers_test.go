@@ -72,7 +72,8 @@ func startGateway(t *testing.T, urls []string, mutate func(*Config)) *gw {
 		mutate(&cfg)
 	}
 	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg})
+	// Zero jitter: full-jitter backoff waits 0, so retries need no sleeping.
+	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg, Rand: func() float64 { return 0 }})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,9 +12,13 @@ import (
 // metrics are the gateway's Prometheus collectors, registered on the
 // registry passed to New (never the global one).
 type metrics struct {
-	requests *prometheus.CounterVec   // route, code
-	duration *prometheus.HistogramVec // route
-	upstream *prometheus.CounterVec   // encoder, route, code
+	requests        *prometheus.CounterVec   // route, code
+	duration        *prometheus.HistogramVec // route
+	upstream        *prometheus.CounterVec   // encoder, route, code
+	retries         *prometheus.CounterVec   // route, reason
+	budgetExhausted *prometheus.CounterVec   // route
+	backoff         prometheus.Histogram
+	reloads         *prometheus.CounterVec // result
 }
 
 // codeLabels avoids formatting a status code on every request.
@@ -47,6 +51,30 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool) *metrics {
 			Name: "encgate_upstream_requests_total",
 			Help: "Exchanges with encoders, by encoder, route and status code; code is dial_error, timeout or error when no answer came.",
 		}, []string{"encoder", "route", "code"}),
+	}
+	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_retries_total",
+		Help: "Retries sent to encoders, by route and reason (connect_failure, timeout, status_<code>).",
+	}, []string{"route", "reason"})
+	m.budgetExhausted = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_retry_budget_exhausted_total",
+		Help: "Retries not sent because the route's retry budget was spent; the last answer went back instead.",
+	}, []string{"route"})
+	m.backoff = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "encgate_retry_backoff_seconds",
+		Help:    "Waits before retries.",
+		Buckets: prometheus.ExponentialBucketsRange(0.001, 30, 14),
+	})
+	m.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_config_reloads_total",
+		Help: "Config reloads (SIGHUP), by result: applied or refused.",
+	}, []string{"result"})
+	reg.MustRegister(m.retries, m.budgetExhausted, m.backoff, m.reloads)
+	for _, r := range []string{"applied", "refused"} {
+		m.reloads.WithLabelValues(r)
+	}
+	for _, r := range []string{"metadata", "receive_url", "encode", "send"} {
+		m.budgetExhausted.WithLabelValues(r)
 	}
 	reg.MustRegister(m.requests, m.duration, m.upstream,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{

@@ -30,7 +30,7 @@ func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *route) {
 		return
 	}
 	c := &call{ctx: ctx, route: rt, reqID: req.Key.ReqID}
-	deadline := s.clk.Now().Add(s.cfg.Upstream.Timeout.D())
+	deadline := s.clk.Now().Add(s.retry.Load().Send.Deadline.D())
 	res := s.sends.Do(context.Background(), req, deadline, func(timeout time.Duration) (idempotency.Answer, bool) {
 		delivered := s.followUp(c, timeout)
 		return snapshot(ctx), delivered

@@ -120,7 +120,7 @@ func TestReceiverTP4ReleasesAfterFourthDestination(t *testing.T) {
 
 func TestSendIsNeverSentTwiceOnATimeout(t *testing.T) {
 	encs := startFakes(t, 1, nil)
-	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Upstream.Timeout = configfile.Duration(300 * time.Millisecond) })
+	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Retry.Send.PerTryTimeout = configfile.Duration(300 * time.Millisecond) })
 	const id = "slow_local_part_0"
 	if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
 		t.Fatalf("encode %d", a.status)

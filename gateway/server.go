@@ -10,10 +10,13 @@ import (
 	"sync/atomic"
 	"time"
 
+	"math/rand/v2"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
@@ -23,7 +26,12 @@ import (
 // Server is a running gateway: the encoder-facing listener and the admin
 // listener. Build it with New, then Start; stop it with Shutdown.
 type Server struct {
-	cfg     Config
+	cfg     Config                 // as started: listeners and other restart-only settings
+	live    atomic.Pointer[Config] // as last (re)loaded: read on the request path via conf()
+	retry   atomic.Pointer[upstream.RetryConfig]
+	budgets atomic.Pointer[budgets]
+	rand    func() float64
+	level   *zap.AtomicLevel
 	log     *zap.Logger
 	clk     clock.Clock
 	pool    *upstream.Pool
@@ -44,7 +52,9 @@ type Server struct {
 type Deps struct {
 	Log      *zap.Logger
 	Registry *prometheus.Registry
-	Clock    clock.Clock // nil means the wall clock
+	Clock    clock.Clock      // nil means the wall clock
+	Rand     func() float64   // uniform in [0,1) for backoff jitter; nil means math/rand/v2
+	Level    *zap.AtomicLevel // when set, a reload applies log.level to it
 }
 
 // New builds a gateway from a validated config.
@@ -57,7 +67,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		clk = clock.Real{}
 	}
 	log := deps.Log.Named("gateway")
-	pool, err := upstream.NewPool(cfg.Encoders, cfg.Affinity, cfg.Upstream, clk, deps.Log.Named("upstream"))
+	pool, err := upstream.NewPool(poolSettings(cfg), cfg.Affinity, clk, deps.Log.Named("upstream"), deps.Registry)
 	if err != nil {
 		return nil, err
 	}
@@ -66,7 +76,14 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		pool.Close()
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: log, clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2)}
+	s := &Server{cfg: cfg, log: log, clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2),
+		rand: deps.Rand, level: deps.Level}
+	if s.rand == nil {
+		s.rand = rand.Float64
+	}
+	s.live.Store(&cfg)
+	s.retry.Store(&cfg.Retry)
+	s.budgets.Store(s.newBudgets(cfg.Retry.Budget))
 	s.metrics = newMetrics(deps.Registry, pool)
 	s.sends = idempotency.NewSends(store.Store, cfg.Idempotency, clk, deps.Log.Named("idempotency"),
 		idempotency.NewMetrics(deps.Registry, store.Memory))
@@ -89,6 +106,63 @@ func New(cfg Config, deps Deps) (*Server, error) {
 
 // Pool returns the encoder pool (for the demo and tests).
 func (s *Server) Pool() *upstream.Pool { return s.pool }
+
+// conf is the live config.
+func (s *Server) conf() *Config { return s.live.Load() }
+
+func poolSettings(c Config) upstream.Settings {
+	return upstream.Settings{Encoders: c.Encoders, Client: c.Upstream, Breaker: c.Breaker, Health: c.Health}
+}
+
+// RefuseReload counts a reload whose file could not be read or parsed.
+func (s *Server) RefuseReload() { s.metrics.reloads.WithLabelValues("refused").Inc() }
+
+// Reload applies a new config without dropping requests in flight or the
+// pins of encoders that stay: encoders, upstream client settings, retry
+// policy and budget, breaker, health and log level change at once; settings
+// that need a restart (listen addresses, limits, affinity, idempotency,
+// shutdown) keep their running values and are named in the log. An invalid
+// config changes nothing.
+func (s *Server) Reload(next Config) error {
+	if err := next.Validate(); err != nil {
+		s.metrics.reloads.WithLabelValues("refused").Inc()
+		return err
+	}
+	cur := s.conf()
+	merged := next
+	var restart []string
+	keep := func(name string, changed bool, restore func()) {
+		if changed {
+			restart = append(restart, name)
+			restore()
+		}
+	}
+	keep("listen", next.Listen != cur.Listen, func() { merged.Listen = cur.Listen })
+	keep("admin_listen", next.AdminListen != cur.AdminListen, func() { merged.AdminListen = cur.AdminListen })
+	keep("limits", next.Limits != cur.Limits, func() { merged.Limits = cur.Limits })
+	keep("affinity", next.Affinity != cur.Affinity, func() { merged.Affinity = cur.Affinity })
+	keep("idempotency", next.Idempotency != cur.Idempotency, func() { merged.Idempotency = cur.Idempotency })
+	keep("shutdown", next.Shutdown != cur.Shutdown, func() { merged.Shutdown = cur.Shutdown })
+	added, removed, err := s.pool.Reload(poolSettings(merged))
+	if err != nil {
+		s.metrics.reloads.WithLabelValues("refused").Inc()
+		return err
+	}
+	if merged.Retry.Budget != cur.Retry.Budget {
+		s.budgets.Store(s.newBudgets(merged.Retry.Budget))
+	}
+	s.retry.Store(&merged.Retry)
+	if s.level != nil {
+		if lvl, err := zapcore.ParseLevel(merged.Log.Level); err == nil {
+			s.level.SetLevel(lvl)
+		}
+	}
+	s.live.Store(&merged)
+	s.metrics.reloads.WithLabelValues("applied").Inc()
+	s.log.Info("config reloaded", zap.Strings("encoders_added", added), zap.Strings("encoders_removed", removed),
+		zap.Int("encoders", len(merged.Encoders)), zap.Strings("unchanged_until_restart", restart))
+	return nil
+}
 
 // Start listens on both addresses and serves in the background.
 func (s *Server) Start() error {
@@ -188,21 +262,37 @@ func writeJSON(w http.ResponseWriter, v any) {
 
 // UpstreamState is one row of GET /admin/upstreams.
 type UpstreamState struct {
-	Name     string `json:"name"`
-	URL      string `json:"url"`
-	Usable   bool   `json:"usable"`
-	Inflight int64  `json:"inflight"`
-	Requests uint64 `json:"requests"`
-	Pins     int    `json:"pins"`
+	Name     string                  `json:"name"`
+	URL      string                  `json:"url"`
+	Usable   bool                    `json:"usable"`
+	State    string                  `json:"state"`
+	Inflight int64                   `json:"inflight"`
+	Requests uint64                  `json:"requests"`
+	Pins     int                     `json:"pins"`
+	Breaker  BreakerView             `json:"breaker"`
+	Health   upstream.HealthSnapshot `json:"health"`
+}
+
+// BreakerView is the passive (breaker) state of an encoder.
+type BreakerView struct {
+	State                string `json:"state"`
+	Requests             uint32 `json:"requests"`
+	TotalFailures        uint32 `json:"total_failures"`
+	ConsecutiveFailures  uint32 `json:"consecutive_failures"`
+	ConsecutiveSuccesses uint32 `json:"consecutive_successes"`
 }
 
 func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 	pins := s.pool.Pins.CountByEncoder()
 	var out []UpstreamState
 	for _, e := range s.pool.Encoders() {
+		bc := e.Breaker.Counts()
 		out = append(out, UpstreamState{
-			Name: e.Name, URL: e.URL, Usable: e.Usable(),
+			Name: e.Name, URL: e.URL, Usable: e.Usable(), State: e.State(),
 			Inflight: e.Inflight(), Requests: e.Requests(), Pins: pins[e.Name],
+			Breaker: BreakerView{State: e.Breaker.State().String(), Requests: bc.Requests, TotalFailures: bc.TotalFailures,
+				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},
+			Health: e.Health.Snapshot(),
 		})
 	}
 	writeJSON(w, out)

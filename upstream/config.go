@@ -33,8 +33,9 @@ type AffinityConfig struct {
 type ClientConfig struct {
 	// ConnectTimeout bounds a TCP connect to an encoder (default 5s).
 	ConnectTimeout configfile.Duration `yaml:"connect_timeout"`
-	// Timeout bounds one upstream exchange (default 1800s, sglang's
-	// SGLANG_ENCODER_HTTP_TIMEOUT: /encode may legitimately block 180s).
+	// Timeout bounds one exchange on routes without a retry policy (the
+	// profile broadcast; default 1800s, sglang's SGLANG_ENCODER_HTTP_TIMEOUT).
+	// Routes with a policy use its per_try_timeout and deadline.
 	Timeout configfile.Duration `yaml:"timeout"`
 	// IdleConnTimeout closes pooled connections idle this long (default 4s,
 	// below uvicorn's 5s keep-alive so the gateway never reuses a connection

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"net"
 	"net/http"
+	"net/url"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -46,11 +47,11 @@ func oneShotServer(t *testing.T) (addr string, requests *atomic.Int32, closed ch
 
 func TestStalePooledConnectionIsNotWrittenTo(t *testing.T) {
 	addr, requests, closed := oneShotServer(t)
-	cc := DefaultClient()
-	e, err := newEncoder(EncoderConfig{Name: "e", URL: "http://" + addr}, cc)
+	u, err := url.Parse("http://" + addr)
 	if err != nil {
 		t.Fatal(err)
 	}
+	e := &Encoder{Name: "e", host: u.Host, scheme: "http", client: newClient("e", u, DefaultClient())}
 	defer e.client.CloseIdleConnections()
 	for i := 0; i < 3; i++ {
 		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()

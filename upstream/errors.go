@@ -32,3 +32,12 @@ func (e *UnknownEncoderError) Error() string {
 
 func itoa(i int) string     { return strconv.Itoa(i) }
 func quote(s string) string { return strconv.Quote(s) }
+
+// UnusableEncoderError means the encoder holding a req_id is down or its
+// breaker is open: its staged state cannot move to another encoder, so the
+// follow-up fails fast rather than waiting.
+type UnusableEncoderError struct{ Name, State string }
+
+func (e *UnusableEncoderError) Error() string {
+	return "upstream: encoder " + e.Name + " holding this req_id is " + e.State + "; its staged state cannot move to another encoder"
+}

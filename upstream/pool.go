@@ -1,6 +1,6 @@
 // Package upstream is the encoder pool: the encoders and their connections,
-// rendezvous selection, req_id affinity (pins), and the classification of
-// upstream failures.
+// rendezvous selection, req_id affinity (pins), breakers and active health,
+// retry policy and budget, and the classification of upstream failures.
 package upstream
 
 import (
@@ -9,17 +9,21 @@ import (
 	"errors"
 	"net"
 	"net/url"
+	"reflect"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
 )
 
-// Encoder is one encoder of the fleet and the gateway's connections to it.
+// Encoder is one encoder of the fleet, the gateway's connections to it, its
+// breaker (passive health) and its active health.
 type Encoder struct {
 	Name string
 	URL  string
@@ -28,10 +32,16 @@ type Encoder struct {
 	host   string // Host header and address, host:port
 	scheme string // http or https
 	client *fasthttp.HostClient
+	probes *fasthttp.HostClient // health checks only
+
+	Breaker *Breaker
+	Health  *Health
+	stop    context.CancelFunc // stops the health loop
+	stopped chan struct{}
 
 	inflight atomic.Int64
 	requests atomic.Uint64
-	usable   atomic.Bool
+	forced   atomic.Int32 // tests and the demo: 0 normal, 1 forced usable, 2 forced unusable
 }
 
 // Inflight returns the number of exchanges in progress with e.
@@ -40,11 +50,44 @@ func (e *Encoder) Inflight() int64 { return e.inflight.Load() }
 // Requests returns the number of exchanges started with e.
 func (e *Encoder) Requests() uint64 { return e.requests.Load() }
 
-// Usable reports whether e may receive new work.
-func (e *Encoder) Usable() bool { return e.usable.Load() }
+// Usable reports whether e may receive new work: actively healthy and its
+// breaker not open.
+func (e *Encoder) Usable() bool {
+	switch e.forced.Load() {
+	case 1:
+		return true
+	case 2:
+		return false
+	}
+	return e.Health.Up() && e.Breaker.State() != BreakerOpen
+}
 
-// SetUsable marks e usable or not (health checks and breakers drive this).
-func (e *Encoder) SetUsable(ok bool) { e.usable.Store(ok) }
+// SetUsable overrides health and breaker (tests, maintenance); Unforce ends it.
+func (e *Encoder) SetUsable(ok bool) {
+	if ok {
+		e.forced.Store(1)
+	} else {
+		e.forced.Store(2)
+	}
+}
+
+// Unforce returns e to health- and breaker-driven usability.
+func (e *Encoder) Unforce() { e.forced.Store(0) }
+
+// State describes why e is or is not usable, for envelopes and admin.
+func (e *Encoder) State() string {
+	switch {
+	case e.forced.Load() == 2:
+		return "disabled"
+	case !e.Health.Up():
+		return "down (active health)"
+	case e.Breaker.State() == BreakerOpen:
+		return "open (circuit breaker)"
+	case e.Breaker.State() == BreakerHalfOpen:
+		return "half_open (circuit breaker)"
+	}
+	return "up"
+}
 
 // Do sends req to e and reads the answer into resp within timeout. The
 // caller sets method, path, headers and body; Do sets the host. A connect
@@ -71,57 +114,101 @@ func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout tim
 // closes the stale connection, so the pool drains quickly.
 const maxStaleRetries = 8
 
+// Settings are the parts of the config the pool applies, at start and on
+// every reload.
+type Settings struct {
+	Encoders []EncoderConfig
+	Client   ClientConfig
+	Breaker  BreakerConfig
+	Health   HealthConfig
+}
+
+// fleet is an immutable snapshot of the encoders, swapped on reload.
+type fleet struct {
+	list   []*Encoder
+	byName map[string]*Encoder
+	set    Settings
+}
+
 // Pool holds the fleet and the pin table. It is safe for concurrent use.
 type Pool struct {
 	log  *zap.Logger
 	clk  clock.Clock
 	aff  AffinityConfig
 	Pins *PinTable
+	m    *poolMetrics
 
-	list   []*Encoder
-	byName map[string]*Encoder
+	fleet    atomic.Pointer[fleet]
+	reloadMu sync.Mutex // serialises Reload
 
 	cancel context.CancelFunc
 	done   chan struct{}
 }
 
-// NewPool builds the pool and starts its pin sweeper; Close stops it.
-func NewPool(encs []EncoderConfig, aff AffinityConfig, cc ClientConfig, clk clock.Clock, log *zap.Logger) (*Pool, error) {
+// NewPool builds the pool, starts its pin sweeper and every encoder's
+// health loop; Close stops them.
+func NewPool(set Settings, aff AffinityConfig, clk clock.Clock, log *zap.Logger, reg prometheus.Registerer) (*Pool, error) {
 	p := &Pool{
-		log:    log,
-		clk:    clk,
-		aff:    aff,
-		Pins:   NewPinTable(aff.PinTTL.D(), aff.MaxPins, clk),
-		byName: make(map[string]*Encoder, len(encs)),
-		done:   make(chan struct{}),
+		log:  log,
+		clk:  clk,
+		aff:  aff,
+		Pins: NewPinTable(aff.PinTTL.D(), aff.MaxPins, clk),
+		m:    newPoolMetrics(reg),
+		done: make(chan struct{}),
 	}
-	for _, ec := range encs {
-		e, err := newEncoder(ec, cc)
+	f := &fleet{byName: map[string]*Encoder{}, set: set}
+	for _, ec := range set.Encoders {
+		e, err := p.newEncoder(ec, set)
 		if err != nil {
+			p.stopAll(f.list)
 			return nil, err
 		}
-		p.list = append(p.list, e)
-		p.byName[e.Name] = e
+		f.list = append(f.list, e)
+		f.byName[e.Name] = e
 	}
+	p.fleet.Store(f)
 	ctx, cancel := context.WithCancel(context.Background())
 	p.cancel = cancel
 	go p.sweep(ctx)
 	return p, nil
 }
 
-func newEncoder(ec EncoderConfig, cc ClientConfig) (*Encoder, error) {
+func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	u, err := url.Parse(ec.URL)
 	if err != nil {
 		return nil, err
 	}
 	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), host: u.Host, scheme: u.Scheme}
-	connectTimeout := cc.ConnectTimeout.D()
-	dialer := &net.Dialer{Timeout: connectTimeout, KeepAlive: 30 * time.Second}
-	isTLS := u.Scheme == "https"
-	e.client = &fasthttp.HostClient{
+	e.client = newClient(ec.Name, u, set.Client)
+	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.breakerChanged)
+	// Probes get their own small pool: an encoder whose traffic connections
+	// are all busy must not fail its health check for want of one.
+	probeClient := newClient(ec.Name, u, ClientConfig{ConnectTimeout: set.Client.ConnectTimeout,
+		IdleConnTimeout: set.Client.IdleConnTimeout, MaxConnsPerEncoder: 2, MaxResponseBytes: 64 << 10})
+	e.probes = probeClient
+	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
+	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
+		func(err error) { p.probeResult(e, err) }, p.log)
+	p.m.track(e)
+	ctx, cancel := context.WithCancel(context.Background())
+	e.stop, e.stopped = cancel, make(chan struct{})
+	go func() {
+		defer close(e.stopped)
+		defer func() {
+			if r := recover(); r != nil {
+				p.log.Error("health loop panicked", zap.String("encoder", e.Name), zap.Any("panic", r), zap.Stack("stack"))
+			}
+		}()
+		e.Health.Run(ctx)
+	}()
+	return e, nil
+}
+
+func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
+	dialer := &net.Dialer{Timeout: cc.ConnectTimeout.D(), KeepAlive: 30 * time.Second}
+	return &fasthttp.HostClient{
 		Addr:                      u.Host,
-		Name:                      u.Scheme,
-		IsTLS:                     isTLS,
+		IsTLS:                     u.Scheme == "https",
 		TLSConfig:                 &tls.Config{MinVersion: tls.VersionTLS12},
 		MaxConns:                  cc.MaxConnsPerEncoder,
 		MaxIdleConnDuration:       cc.IdleConnTimeout.D(),
@@ -135,7 +222,7 @@ func newEncoder(ec EncoderConfig, cc ClientConfig) (*Encoder, error) {
 		Dial: func(addr string) (net.Conn, error) {
 			c, err := dialer.Dial("tcp", addr)
 			if err != nil {
-				return nil, &DialError{Encoder: ec.Name, Err: err}
+				return nil, &DialError{Encoder: name, Err: err}
 			}
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
@@ -143,16 +230,40 @@ func newEncoder(ec EncoderConfig, cc ClientConfig) (*Encoder, error) {
 			return newProbedConn(c), nil
 		},
 	}
-	e.usable.Store(true)
-	return e, nil
+}
+
+func (p *Pool) breakerChanged(name string, from, to BreakerState) {
+	p.m.breakerChanged(name, from, to)
+	p.log.Info("breaker state changed", zap.String("encoder", name),
+		zap.String("from", from.String()), zap.String("to", to.String()))
+}
+
+func (p *Pool) healthChanged(e *Encoder, up bool) {
+	p.m.healthChanged(e.Name, up)
+	s := e.Health.Snapshot()
+	if up {
+		p.log.Info("encoder is up (active health)", zap.String("encoder", e.Name))
+	} else {
+		p.log.Warn("encoder is down (active health)", zap.String("encoder", e.Name), zap.String("last_error", s.LastError))
+	}
+}
+
+// probeResult lets a half-open breaker use an active probe as its trial.
+func (p *Pool) probeResult(e *Encoder, err error) {
+	if e.Breaker.State() != BreakerHalfOpen {
+		return
+	}
+	if done, ok := e.Breaker.Allow(); ok {
+		done(Outcome{Status: 200, Err: err})
+	}
 }
 
 // Encoders returns the fleet in configuration order.
-func (p *Pool) Encoders() []*Encoder { return p.list }
+func (p *Pool) Encoders() []*Encoder { return p.fleet.Load().list }
 
 // Lookup returns the encoder called name.
 func (p *Pool) Lookup(name string) (*Encoder, bool) {
-	e, ok := p.byName[name]
+	e, ok := p.fleet.Load().byName[name]
 	return e, ok
 }
 
@@ -160,7 +271,7 @@ func (p *Pool) Lookup(name string) (*Encoder, bool) {
 func (p *Pool) Ranked(reqID string, dst []*Encoder) []*Encoder {
 	var buf [16]*Encoder
 	usable := buf[:0]
-	for _, e := range p.list {
+	for _, e := range p.Encoders() {
 		if e.Usable() {
 			usable = append(usable, e)
 		}
@@ -180,7 +291,7 @@ func (p *Pool) Owner(reqID string) (*Encoder, error) {
 
 // AnyUsable reports whether at least one encoder is usable.
 func (p *Pool) AnyUsable() bool {
-	for _, e := range p.list {
+	for _, e := range p.Encoders() {
 		if e.Usable() {
 			return true
 		}
@@ -190,7 +301,9 @@ func (p *Pool) AnyUsable() bool {
 
 // Route returns the encoder that holds reqID: its pin, waiting up to
 // affinity.unknown_wait for one, else the rendezvous owner. A pin that
-// records a failed /encode is returned with a nil encoder and ok pin.Failed.
+// records a failed /encode is returned with a nil encoder and pin.Failed.
+// A pinned encoder that is down or open is an *UnusableEncoderError: its
+// staged state cannot move, so the caller fails fast.
 func (p *Pool) Route(reqID string, done <-chan struct{}) (*Encoder, Pin, error) {
 	pin, ok := p.Pins.Wait(reqID, p.aff.UnknownWait.D(), done)
 	if !ok {
@@ -200,11 +313,82 @@ func (p *Pool) Route(reqID string, done <-chan struct{}) (*Encoder, Pin, error) 
 	if pin.Failed {
 		return nil, pin, nil
 	}
-	e, found := p.byName[pin.Encoder]
+	e, found := p.Lookup(pin.Encoder)
 	if !found {
 		return nil, pin, &UnknownEncoderError{Name: pin.Encoder}
 	}
+	if !e.Usable() {
+		return e, pin, &UnusableEncoderError{Name: e.Name, State: e.State()}
+	}
 	return e, pin, nil
+}
+
+// Reload applies new settings: encoders that keep their name and URL keep
+// their connections, breaker, health and pins; new ones start; removed ones
+// stop their health loop and close idle connections, while requests in
+// flight on them finish. A changed breaker or health config rebuilds those
+// for every encoder (their state starts afresh).
+func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
+	p.reloadMu.Lock()
+	defer p.reloadMu.Unlock()
+	old := p.fleet.Load()
+	rebuild := !sameBreakerHealth(old.set, set) || old.set.Client != set.Client
+	next := &fleet{byName: map[string]*Encoder{}, set: set}
+	var fresh []*Encoder
+	for _, ec := range set.Encoders {
+		if e, ok := old.byName[ec.Name]; ok && e.URL == ec.URL && !rebuild {
+			next.list = append(next.list, e)
+			next.byName[e.Name] = e
+			continue
+		}
+		e, err := p.newEncoder(ec, set)
+		if err != nil {
+			p.stopAll(fresh)
+			return nil, nil, err
+		}
+		fresh = append(fresh, e)
+		next.list = append(next.list, e)
+		next.byName[e.Name] = e
+		if _, existed := old.byName[ec.Name]; !existed {
+			added = append(added, e.Name)
+		}
+	}
+	var retired []*Encoder
+	for _, e := range old.list {
+		if next.byName[e.Name] != e {
+			retired = append(retired, e)
+			if _, stays := next.byName[e.Name]; !stays {
+				removed = append(removed, e.Name)
+			}
+		}
+	}
+	p.fleet.Store(next)
+	p.stopAll(retired)
+	for _, e := range retired {
+		if _, stays := next.byName[e.Name]; !stays {
+			p.m.forget(e.Name)
+		}
+	}
+	for _, e := range fresh {
+		p.m.track(e)
+	}
+	return added, removed, nil
+}
+
+func sameBreakerHealth(a, b Settings) bool {
+	return reflect.DeepEqual(a.Breaker, b.Breaker) && a.Health == b.Health
+}
+
+// stopAll stops the health loops and breaker timers of encs and closes
+// their idle connections; requests in flight on them finish.
+func (p *Pool) stopAll(encs []*Encoder) {
+	for _, e := range encs {
+		e.stop()
+		<-e.stopped
+		e.Breaker.Stop()
+		e.client.CloseIdleConnections()
+		e.probes.CloseIdleConnections()
+	}
 }
 
 func (p *Pool) sweep(ctx context.Context) {
@@ -227,13 +411,11 @@ func (p *Pool) sweep(ctx context.Context) {
 	}
 }
 
-// Close stops the sweeper and closes idle connections.
+// Close stops the sweeper and every health loop, and closes idle connections.
 func (p *Pool) Close() {
 	p.cancel()
 	<-p.done
-	for _, e := range p.list {
-		e.client.CloseIdleConnections()
-	}
+	p.stopAll(p.Encoders())
 }
 
 // IsTimeout reports whether err is an upstream timeout.

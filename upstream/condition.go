@@ -1,0 +1,128 @@
+package upstream
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/valyala/fasthttp"
+	"go.yaml.in/yaml/v3"
+)
+
+// ConditionKind says what a Condition matches.
+type ConditionKind int
+
+// Condition kinds.
+const (
+	// OnStatus matches an answer with Status (and, when BodyContains is
+	// set, a body containing it).
+	OnStatus ConditionKind = iota
+	// OnConnectFailure matches a failure where provably nothing reached the
+	// encoder: refused or failed connect, a stale pooled connection, no free
+	// connection.
+	OnConnectFailure
+	// OnTimeout matches an exchange that got no answer within its time.
+	OnTimeout
+)
+
+// Condition is one entry of a retry_on or ignore list. In YAML it is either
+// a word (connect_failure, timeout) or {status: 504, body_contains: "..."}.
+type Condition struct {
+	Kind         ConditionKind
+	Status       int
+	BodyContains string
+}
+
+// Outcome is what one exchange with an encoder produced: an answer (Err nil)
+// or a failure with no answer.
+type Outcome struct {
+	Status int
+	Body   []byte
+	Err    error
+}
+
+// Matches reports whether o meets c.
+func (c Condition) Matches(o Outcome) bool {
+	switch c.Kind {
+	case OnConnectFailure:
+		return o.Err != nil && NotDelivered(o.Err)
+	case OnTimeout:
+		return o.Err != nil && !NotDelivered(o.Err) && IsTimeout(o.Err)
+	default:
+		return o.Err == nil && o.Status == c.Status &&
+			(c.BodyContains == "" || bytes.Contains(o.Body, []byte(c.BodyContains)))
+	}
+}
+
+// String writes c as it is written in YAML.
+func (c Condition) String() string {
+	switch c.Kind {
+	case OnConnectFailure:
+		return "connect_failure"
+	case OnTimeout:
+		return "timeout"
+	}
+	if c.BodyContains == "" {
+		return "{status: " + strconv.Itoa(c.Status) + "}"
+	}
+	return fmt.Sprintf("{status: %d, body_contains: %q}", c.Status, c.BodyContains)
+}
+
+// UnmarshalYAML reads a word or a {status, body_contains} map.
+func (c *Condition) UnmarshalYAML(n *yaml.Node) error {
+	switch n.Kind {
+	case yaml.ScalarNode:
+		switch n.Value {
+		case "connect_failure":
+			*c = Condition{Kind: OnConnectFailure}
+		case "timeout":
+			*c = Condition{Kind: OnTimeout}
+		default:
+			return fmt.Errorf("line %d: unknown condition %q (want connect_failure, timeout or {status: N, body_contains: \"...\"})", n.Line, n.Value)
+		}
+		return nil
+	case yaml.MappingNode:
+		var m struct {
+			Status       int    `yaml:"status"`
+			BodyContains string `yaml:"body_contains"`
+		}
+		dec := n.Decode
+		if err := dec(&m); err != nil {
+			return err
+		}
+		for i := 0; i < len(n.Content); i += 2 {
+			if k := n.Content[i].Value; k != "status" && k != "body_contains" {
+				return fmt.Errorf("line %d: unknown key %q in a condition (want status, body_contains)", n.Content[i].Line, k)
+			}
+		}
+		if m.Status < 100 || m.Status > 599 {
+			return fmt.Errorf("line %d: condition status must be an HTTP status (100-599), got %d", n.Line, m.Status)
+		}
+		*c = Condition{Kind: OnStatus, Status: m.Status, BodyContains: m.BodyContains}
+		return nil
+	}
+	return fmt.Errorf("line %d: want a condition word or map", n.Line)
+}
+
+// MarshalYAML writes c back in the same forms.
+func (c Condition) MarshalYAML() (any, error) {
+	switch c.Kind {
+	case OnConnectFailure:
+		return "connect_failure", nil
+	case OnTimeout:
+		return "timeout", nil
+	}
+	m := map[string]any{"status": c.Status}
+	if c.BodyContains != "" {
+		m["body_contains"] = c.BodyContains
+	}
+	return m, nil
+}
+
+// NotDelivered reports whether err proves that no byte of the request
+// reached the encoder, so sending it again cannot duplicate it.
+func NotDelivered(err error) bool {
+	var dial *DialError
+	return errors.As(err, &dial) || IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns)
+}
