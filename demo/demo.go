@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -19,18 +20,20 @@ import (
 
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
+	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/upstream"
 )
 
 // Options shape the workload. Zero values take the defaults shown.
 type Options struct {
-	Encoders    int // fake encoders (default 3)
-	Requests    int // user requests (default 40)
-	Parts       int // parts per request, as sglang splits media across --encoder-urls (default 3)
-	ReceiverTP  int // receiver TP ranks, each calling metadata and /send (default 2)
-	Concurrency int // requests in flight (default 8)
-	FailEvery   int // every Nth request's part 0 has media that fails to load (default 10; <0 none)
-	DupEvery    int // every Nth part: one rank's /send is duplicated at once, another's retried after its answer (default 3; <0 none)
+	Encoders    int  // fake encoders (default 3)
+	Requests    int  // user requests (default 40)
+	Parts       int  // parts per request, as sglang splits media across --encoder-urls (default 3)
+	ReceiverTP  int  // receiver TP ranks, each calling metadata and /send (default 2)
+	Concurrency int  // requests in flight (default 8)
+	FailEvery   int  // every Nth request's part 0 has media that fails to load (default 10; <0 none)
+	DupEvery    int  // every Nth part: one rank's /send is duplicated at once, another's retried after its answer (default 3; <0 none)
+	Calm        bool // no flaky encoder and no metadata lag (the issue-2/3 workload only)
 	Log         *zap.Logger
 }
 
@@ -62,6 +65,12 @@ type Result struct {
 	Pins        int
 	Errors      map[string]int // "status route: message" -> count
 
+	Phase1      map[string]int // /encode calls per encoder after phase 1
+	RetriedOK   int            // answers that took retries and ended 200
+	Local       int            // failed follow-ups answered by the gateway itself
+	Retries     map[string]float64
+	Transitions []string // breaker transitions, "enc-c closed->open x1"
+
 	DupsInjected  int            // duplicate /sends the driver added
 	Replayed      int            // /send answers marked X-Encgate-Replayed
 	SendsReceived map[string]int // (req_id, destination) -> /sends the encoders received
@@ -81,7 +90,7 @@ type RouteStats struct {
 // (affinity, answers) does not hold.
 func Run(ctx context.Context, w io.Writer, opts Options) error {
 	opts.defaults()
-	fleet, err := startFleet(opts.Encoders)
+	fleet, err := startFleet(opts.Encoders, !opts.Calm)
 	if err != nil {
 		return err
 	}
@@ -98,27 +107,80 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	}()
 	fmt.Fprintf(w, "encgate demo: %d fake encoders behind one gateway at http://%s (admin http://%s)\n",
 		opts.Encoders, gw.Addr(), gw.AdminAddr())
-	fmt.Fprintf(w, "workload: %d requests x %d parts, receiver TP=%d; follow-ups race their /encode as in sglang\n\n",
+	fmt.Fprintf(w, "workload: %d requests x %d parts, receiver TP=%d; follow-ups race their /encode as in sglang\n",
 		opts.Requests, opts.Parts, opts.ReceiverTP)
+	if !opts.Calm {
+		fmt.Fprintf(w, "faults: every encoder answers each part's first metadata pull with 504 \"encode metadata not ready\";\n"+
+			"        %s fails every /encode with 500 in phase 1 and recovers for phase 2\n", fleet.flaky().Stats().Name)
+	}
+	fmt.Fprintln(w)
 	d := newDriver("http://"+gw.Addr(), opts)
 	start := time.Now()
-	d.run(ctx)
+	half := opts.Requests / 2
+	if opts.Calm {
+		half = opts.Requests
+	}
+	d.run(ctx, 0, half)
+	phase1 := fleet.encodes()
+	if !opts.Calm {
+		fleet.recover()
+		if err := waitNotOpen(ctx, gw, fleet.flaky().Stats().Name); err != nil {
+			return err
+		}
+		d.run(ctx, half, opts.Requests)
+	}
 	res := d.result(fleet, gw, reg)
+	res.Phase1 = phase1
 	printSummary(w, res, time.Since(start), opts)
 	return res.check(opts)
 }
 
+// waitNotOpen waits for the recovered encoder's breaker to leave open
+// (after breaker.open_timeout it turns half-open and takes a probe).
+func waitNotOpen(ctx context.Context, gw *gateway.Server, name string) error {
+	e, _ := gw.Pool().Lookup(name)
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Breaker.State() == upstream.BreakerOpen {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s's breaker stayed open", name)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
 type fleet struct{ encs []*fakeencoder.Encoder }
 
-func startFleet(n int) (*fleet, error) {
+// flakyFaults make the last encoder fail every /encode, as a GPU that runs
+// out of memory would.
+var flakyFaults = fakeencoder.Faults{
+	FailureRate: 1, FailStatus: 500, FailRoutes: []string{"/encode"},
+	FailMessage: "Internal encoding error: CUDA out of memory (injected)",
+}
+
+func startFleet(n int, faults bool) (*fleet, error) {
 	f := &fleet{}
 	for i := 0; i < n; i++ {
-		e := fakeencoder.New(fakeencoder.Options{
+		o := fakeencoder.Options{
 			Name:          fmt.Sprintf("enc-%c", 'a'+i),
 			Mode:          fakeencoder.ModeMooncake,
 			EncodeLatency: 5 * time.Millisecond,
 			Faults:        fakeencoder.Faults{MetadataDelay: 2 * time.Millisecond},
-		})
+		}
+		if faults {
+			o.Faults.Leading504s = 1                   // metadata lag: the first pull of each part is "not ready"
+			o.MetadataTimeout = 500 * time.Millisecond // pulls on a failed encode end soon
+			if i == n-1 {
+				lag := o.Faults.Leading504s
+				o.Faults = flakyFaults
+				o.Faults.MetadataDelay, o.Faults.Leading504s = 2*time.Millisecond, lag
+			}
+		}
+		e := fakeencoder.New(o)
 		if err := e.Start("127.0.0.1:0"); err != nil {
 			f.close()
 			return nil, err
@@ -126,6 +188,26 @@ func startFleet(n int) (*fleet, error) {
 		f.encs = append(f.encs, e)
 	}
 	return f, nil
+}
+
+func (f *fleet) flaky() *fakeencoder.Encoder { return f.encs[len(f.encs)-1] }
+
+// recover turns the flaky encoder's /encode failures off.
+func (f *fleet) recover() {
+	e := f.flaky()
+	fs := e.Faults()
+	fs.FailureRate = 0
+	e.SetFaults(fs)
+}
+
+// encodes returns the /encode calls each encoder received so far.
+func (f *fleet) encodes() map[string]int {
+	out := map[string]int{}
+	for _, e := range f.encs {
+		st := e.Stats()
+		out[st.Name] = int(st.Routes["/encode"])
+	}
+	return out
 }
 
 func (f *fleet) close() {
@@ -140,6 +222,8 @@ func startGateway(f *fleet, log *zap.Logger, reg *prometheus.Registry) (*gateway
 	for _, e := range f.encs {
 		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL()})
 	}
+	cfg.Breaker.ConsecutiveFailures = 3
+	cfg.Breaker.OpenTimeout = configfile.Duration(300 * time.Millisecond)
 	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
 	if err != nil {
 		return nil, err
@@ -154,11 +238,13 @@ type driver struct {
 	opts   Options
 	client *http.Client
 
-	mu       sync.Mutex // protects calls, errors, dups and replayed
-	calls    map[string]*RouteStats
-	errors   map[string]int
-	dups     int
-	replayed int
+	mu        sync.Mutex // protects calls, errors, dups, replayed and retriedOK
+	calls     map[string]*RouteStats
+	errors    map[string]int
+	dups      int
+	replayed  int
+	retriedOK int // answers that needed more than one attempt and ended 200
+	local     int // follow-up errors the gateway answered itself (no attempt upstream)
 }
 
 func newDriver(base string, opts Options) *driver {
@@ -169,10 +255,11 @@ func newDriver(base string, opts Options) *driver {
 	}
 }
 
-func (d *driver) run(ctx context.Context) {
+// run drives requests [from, to).
+func (d *driver) run(ctx context.Context, from, to int) {
 	sem := make(chan struct{}, d.opts.Concurrency)
 	var wg sync.WaitGroup
-	for i := 0; i < d.opts.Requests; i++ {
+	for i := from; i < to; i++ {
 		sem <- struct{}{}
 		wg.Add(1)
 		go func() {
@@ -286,11 +373,18 @@ func (d *driver) post(ctx context.Context, path, body string) ([]byte, bool) {
 	if resp.StatusCode != http.StatusOK {
 		msg = envelopeMessage(out)
 	}
+	d.mu.Lock()
 	if resp.Header.Get("X-Encgate-Replayed") == "true" {
-		d.mu.Lock()
 		d.replayed++
-		d.mu.Unlock()
 	}
+	attempts, _ := strconv.Atoi(resp.Header.Get("X-Encgate-Attempts"))
+	if attempts > 1 && resp.StatusCode == http.StatusOK {
+		d.retriedOK++
+	}
+	if attempts == 0 && path == "/scheduler_receive_meta_data" && resp.StatusCode != http.StatusOK {
+		d.local++
+	}
+	d.mu.Unlock()
 	d.record(path, resp.StatusCode, msg, time.Since(start))
 	return out, resp.StatusCode == http.StatusOK
 }
@@ -335,7 +429,8 @@ func (d *driver) result(f *fleet, gw *gateway.Server, reg *prometheus.Registry) 
 	res := &Result{Calls: d.calls, PerEncoder: map[string]int{}, PartsServed: map[string]int{},
 		Received: map[string]int64{}, Errors: d.errors, Pins: gw.Pool().Pins.Len(),
 		DupsInjected: d.dups, Replayed: d.replayed, SendsReceived: map[string]int{},
-		Suppressed: suppressed(reg)}
+		Suppressed: suppressed(reg), RetriedOK: d.retriedOK, Local: d.local,
+		Retries: counterBy(reg, "encgate_retries_total", "reason"), Transitions: transitions(reg)}
 	seen := map[string]int{}
 	for _, e := range f.encs {
 		st := e.Stats()
@@ -368,8 +463,17 @@ func (r *Result) check(o Options) error {
 		return fmt.Errorf("expected %d /encode answers", want)
 	}
 	for kind := range r.Errors {
-		if !strings.Contains(kind, "Error while loading data") {
+		if !strings.Contains(kind, "Error while loading data") && !strings.Contains(kind, "CUDA out of memory (injected)") &&
+			!strings.Contains(kind, "enc-c holding this req_id is open (circuit breaker)") {
 			return fmt.Errorf("unexpected error kind %q", kind)
+		}
+	}
+	if !o.Calm {
+		if r.RetriedOK == 0 {
+			return fmt.Errorf("no retry ended in a 200")
+		}
+		if !hasTransition(r.Transitions, "closed->open") || !hasTransition(r.Transitions, "half_open->closed") {
+			return fmt.Errorf("the flaky encoder's breaker did not open and close again: %v", r.Transitions)
 		}
 	}
 	if r.answeredByGateway() == 0 && o.FailEvery > 0 {
@@ -387,15 +491,9 @@ func (r *Result) check(o Options) error {
 }
 
 // answeredByGateway counts metadata pulls the gateway answered itself from
-// a remembered failed /encode: pulls made minus pulls the encoders received.
-// (Suppressed /send duplicates are counted separately.)
-func (r *Result) answeredByGateway() int {
-	const p = "/scheduler_receive_meta_data"
-	if rs := r.Calls[p]; rs != nil {
-		return rs.Calls - int(r.Received[p])
-	}
-	return 0
-}
+// a remembered failed /encode, without any attempt upstream. (Suppressed
+// /send duplicates are counted separately.)
+func (r *Result) answeredByGateway() int { return r.Local }
 
 func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 	fmt.Fprintf(w, "%-30s %7s %7s %8s %9s %9s\n", "route", "calls", "200", "non-200", "p50", "p99")
@@ -407,6 +505,14 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 		}
 		fmt.Fprintf(w, "%-30s %7d %7d %8d %9s %9s\n", p, rs.Calls, rs.OK, rs.Failed,
 			pct(rs.Latency, 0.50), pct(rs.Latency, 0.99))
+	}
+	if r.Phase1 != nil && !o.Calm {
+		fmt.Fprintf(w, "\n/encode calls per encoder, phase 1 (flaky) -> phase 2 (recovered):")
+		for _, n := range sortedKeys(r.PerEncoder) {
+			fmt.Fprintf(w, "  %s %d -> %d", n, r.Phase1[n], r.PerEncoder[n]-r.Phase1[n])
+		}
+		fmt.Fprintf(w, "\nretries: %s; answers that needed a retry and ended 200: %d\n", formatCounts(r.Retries), r.RetriedOK)
+		fmt.Fprintf(w, "breaker transitions: %s\n", strings.Join(r.Transitions, ", "))
 	}
 	fmt.Fprintf(w, "\nper encoder (/encode calls, part ids served):")
 	names := make([]string, 0, len(r.PerEncoder))
@@ -431,7 +537,7 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 		}
 	}
 	fmt.Fprintf(w, "  encoders received exactly one /send per (req_id, destination): %d of %d\n", once, len(r.SendsReceived))
-	fmt.Fprintf(w, "errors by kind (every one comes from media that failed to load):\n")
+	fmt.Fprintf(w, "errors by kind (each from an injected fault: media that failed to load, or the flaky encoder):\n")
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(w, "  none")
 	}
@@ -475,4 +581,72 @@ func suppressed(reg *prometheus.Registry) map[string]float64 {
 		}
 	}
 	return out
+}
+
+// counterBy sums a counter by one label.
+func counterBy(reg *prometheus.Registry, name, label string) map[string]float64 {
+	out := map[string]float64{}
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label {
+					out[l.GetValue()] += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return out
+}
+
+// transitions lists breaker state changes as "enc from->to xN".
+func transitions(reg *prometheus.Registry) []string {
+	var out []string
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "encgate_breaker_transitions_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			l := map[string]string{}
+			for _, p := range m.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			out = append(out, fmt.Sprintf("%s %s->%s x%.0f", l["encoder"], l["from"], l["to"], m.GetCounter().GetValue()))
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func hasTransition(ts []string, fromTo string) bool {
+	for _, t := range ts {
+		if strings.Contains(t, " "+fromTo+" ") {
+			return true
+		}
+	}
+	return false
+}
+
+func formatCounts(m map[string]float64) string {
+	if len(m) == 0 {
+		return "none"
+	}
+	var parts []string
+	for _, k := range sortedKeys(m) {
+		parts = append(parts, fmt.Sprintf("%.0f on %s", m[k], k))
+	}
+	return strings.Join(parts, ", ")
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }

@@ -14,6 +14,7 @@ import (
 const headerAttempts = "X-Encgate-Attempts"
 
 // picker chooses the encoder for attempt n (1-based); nil ends the attempts.
+// It may be called more than once for the same n.
 type picker func(n int) *upstream.Encoder
 
 // attempt runs c's exchanges under its route's retry policy: it forwards,
@@ -64,7 +65,7 @@ func (s *Server) attempt(c *call, pick picker, limit time.Duration) (delivered b
 		if !s.sleep(c.ctx, wait) {
 			break
 		}
-		enc = next
+		enc = pick(n + 1) // again: the world may have changed while waiting
 	}
 	if lastErr != nil {
 		s.failCall(c, lastErr)

@@ -3,8 +3,11 @@ package gateway
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
+
+	"go.yaml.in/yaml/v3"
 
 	"github.com/encgate/encgate/upstream"
 )
@@ -98,5 +101,23 @@ func TestLoadConfig(t *testing.T) {
 	_, err = LoadConfig(write("typo.yaml", "encoders: []\nlisen: x\n"))
 	if err == nil || !strings.Contains(err.Error(), "lisen") {
 		t.Errorf("unknown key error does not name the key: %v", err)
+	}
+}
+
+// configs/gateway.yaml documents every key with its default: loaded, it
+// must equal DefaultConfig apart from its example encoders.
+func TestExampleConfigShowsTheDefaults(t *testing.T) {
+	cfg, err := LoadConfig(filepath.Join("..", "configs", "gateway.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.Encoders) == 0 {
+		t.Fatal("the example has no encoders")
+	}
+	cfg.Encoders = nil
+	if want := DefaultConfig(); !reflect.DeepEqual(cfg, want) {
+		got, _ := yaml.Marshal(cfg)
+		exp, _ := yaml.Marshal(want)
+		t.Fatalf("configs/gateway.yaml differs from DefaultConfig:\n--- example\n%s\n--- defaults\n%s", got, exp)
 	}
 }

@@ -132,11 +132,29 @@ func (s *Server) followUp(c *call, limit time.Duration) (delivered bool) {
 		return false
 	}
 	if pin.Failed {
-		c.ctx.Response.Header.Set("X-Encgate-Encoder", pin.Encoder)
-		writeEnvelope(c.ctx, pin.Status, pin.Message, &c.reqID)
+		s.answerFailedPin(c, pin)
 		return false
 	}
-	return s.attempt(c, func(n int) *upstream.Encoder { return enc }, limit)
+	var failed upstream.Pin
+	delivered = s.attempt(c, func(n int) *upstream.Encoder {
+		// Between attempts, the part's /encode may have failed: then the
+		// remembered failure is the answer, not another pull.
+		if p, ok := s.pool.Pins.Get(c.reqID); n > 1 && ok && p.Failed {
+			failed = p
+			return nil
+		}
+		return enc
+	}, limit)
+	if failed.Failed {
+		s.answerFailedPin(c, failed)
+	}
+	return delivered
+}
+
+// answerFailedPin answers a follow-up with its /encode's remembered failure.
+func (s *Server) answerFailedPin(c *call, pin upstream.Pin) {
+	c.ctx.Response.Header.Set("X-Encgate-Encoder", pin.Encoder)
+	writeEnvelope(c.ctx, pin.Status, pin.Message, &c.reqID)
 }
 
 // failCall answers with the gateway's own envelope for err; a failed

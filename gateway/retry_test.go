@@ -1,12 +1,17 @@
 package gateway
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/upstream"
 )
@@ -178,5 +183,44 @@ func TestSendIsNotRetriedAfterATimeout(t *testing.T) {
 	}
 	if got := encs[0].Stats().Routes["/send"]; got != 1 {
 		t.Fatalf("the encoder received %d /sends", got)
+	}
+}
+
+// A metadata pull being retried stops when its part's /encode fails
+// meanwhile, and answers with that failure.
+func TestMetadataRetryStopsWhenTheEncodeFails(t *testing.T) {
+	encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) { o.Faults.Leading504s = 100 })
+	clk := clock.NewFake(time.Now())
+	cfg := DefaultConfig()
+	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Encoders = []upstream.EncoderConfig{{Name: "enc-0", URL: encs[0].URL()}}
+	cfg.Affinity.UnknownWait = 0
+	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: prometheus.NewRegistry(), Clock: clk,
+		Rand: func() float64 { return 0.5 }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Shutdown(context.Background()) })
+	base := "http://" + s.Addr()
+	const id = "doomed_local_part_0"
+	sleeping := clk.TimerCreated()
+	got := make(chan answer, 1)
+	go func() { got <- post(t, base+"/scheduler_receive_meta_data", metaBody(id)) }()
+	eventually(t, "the first metadata attempt", func() bool { return metadataCalls(encs[0], id) == 1 })
+	<-sleeping // parked in its backoff before attempt 2
+	failing := fmt.Sprintf(`{"req_id":%q,"mm_items":["fail:400:Error while loading data x"],"modality":"IMAGE","num_parts":1,"part_idx":0,"prefill_host":"h","embedding_port":null}`, id)
+	if a := post(t, base+"/encode", failing); a.status != 400 {
+		t.Fatalf("encode %d %s", a.status, a.body)
+	}
+	clk.Advance(time.Minute)
+	a := <-got
+	if a.status != 400 || !strings.Contains(a.body, "Error while loading data x") || a.header.Get("X-Encgate-Attempts") != "1" {
+		t.Fatalf("got %d attempts=%q %s", a.status, a.header.Get("X-Encgate-Attempts"), a.body)
+	}
+	if n := metadataCalls(encs[0], id); n != 1 {
+		t.Fatalf("the encoder got %d metadata pulls, want 1", n)
 	}
 }
