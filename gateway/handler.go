@@ -98,18 +98,17 @@ func (s *Server) newCall(ctx *fasthttp.RequestCtx, rt *route) (*call, error) {
 // final non-200 is remembered so that follow-ups fail fast.
 func (s *Server) serveEncode(c *call) {
 	var buf [16]*upstream.Encoder
-	ranked := s.pool.Ranked(c.reqID, buf[:0])
-	if len(ranked) == 0 {
+	if ranked := s.pool.Ranked(c.reqID, buf[:0]); len(ranked) == 0 {
 		s.failCall(c, upstream.ErrNoEncoder)
-		return
+	} else {
+		s.attempt(c, func(n int) *upstream.Encoder {
+			if n > len(ranked) {
+				return nil
+			}
+			s.pool.Pins.Set(c.reqID, ranked[n-1].Name)
+			return ranked[n-1]
+		}, 0)
 	}
-	s.attempt(c, func(n int) *upstream.Encoder {
-		if n > len(ranked) {
-			return nil
-		}
-		s.pool.Pins.Set(c.reqID, ranked[n-1].Name)
-		return ranked[n-1]
-	}, 0)
 	if code := c.ctx.Response.StatusCode(); code != fasthttp.StatusOK {
 		s.pool.Pins.Fail(c.reqID, code, upstreamMessage(c.ctx.Response.Body()))
 	}
@@ -157,13 +156,9 @@ func (s *Server) answerFailedPin(c *call, pin upstream.Pin) {
 	writeEnvelope(c.ctx, pin.Status, pin.Message, &c.reqID)
 }
 
-// failCall answers with the gateway's own envelope for err; a failed
-// /encode is remembered for its follow-ups.
+// failCall answers with the gateway's own envelope for err.
 func (s *Server) failCall(c *call, err error) {
 	status, msg := statusFor(err), messageFor(err, c.enc)
-	if c.route.kind == kindEncode {
-		s.pool.Pins.Fail(c.reqID, status, msg)
-	}
 	if ce := s.log.Check(zapcore.WarnLevel, "request failed in the gateway"); ce != nil {
 		name := ""
 		if c.enc != nil {
