@@ -8,7 +8,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -167,13 +166,12 @@ func reload(srv *gateway.Server, path string, log *zap.Logger) {
 	}
 }
 
-// problemList splits a joined validation error into its field-path lines.
+// problemList flattens joined errors into their field-path lines.
 func problemList(err error) []string {
-	var joined interface{ Unwrap() []error }
-	if errors.As(err, &joined) {
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
 		var out []string
 		for _, e := range joined.Unwrap() {
-			out = append(out, e.Error())
+			out = append(out, problemList(e)...)
 		}
 		return out
 	}

@@ -5,6 +5,7 @@
 package gateway
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"strings"
@@ -94,13 +95,17 @@ func DefaultConfig() Config {
 	}
 }
 
-// LoadConfig reads path over the defaults and validates the result.
+// LoadConfig reads path over the defaults and validates the result. It
+// reports every problem at once: keys that could not be decoded and values
+// that are out of range, each with its field path.
 func LoadConfig(path string) (Config, error) {
 	cfg := DefaultConfig()
-	if err := configfile.Load(path, &cfg); err != nil {
+	err := configfile.Load(path, &cfg)
+	var partial *configfile.DecodeError
+	if err != nil && !errors.As(err, &partial) {
 		return cfg, err
 	}
-	return cfg, cfg.Validate()
+	return cfg, errors.Join(err, cfg.Validate())
 }
 
 // Validate reports every problem, each with its field path.

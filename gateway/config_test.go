@@ -121,3 +121,21 @@ func TestExampleConfigShowsTheDefaults(t *testing.T) {
 		t.Fatalf("configs/gateway.yaml differs from DefaultConfig:\n--- example\n%s\n--- defaults\n%s", got, exp)
 	}
 }
+
+func TestLoadConfigReportsDecodeAndValidationProblemsTogether(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "bad.yaml")
+	body := "encoders:\n  - {name: a, url: \"ftp://x\"}\naffinity:\n  pin_ttl: forever\nbogus_key: 1\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := LoadConfig(path)
+	if err == nil {
+		t.Fatal("loaded")
+	}
+	for _, w := range []string{`affinity.pin_ttl: "forever" is not a duration`, "bogus_key: unknown key (line 5)",
+		`encoders[0].url: scheme must be http or https, got "ftp"`} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("%q missing from:\n%v", w, err)
+		}
+	}
+}

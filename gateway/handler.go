@@ -105,7 +105,7 @@ func (s *Server) serveEncode(c *call) {
 			if n > len(ranked) {
 				return nil
 			}
-			s.pool.Pins.Set(c.reqID, ranked[n-1].Name)
+			s.pool.Pins.Set(c.reqID, ranked[n-1].Name, ranked[n-1].ID())
 			return ranked[n-1]
 		}, 0)
 	}

@@ -8,6 +8,8 @@ import (
 
 	"github.com/valyala/fasthttp"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/encgate/encgate/internal/configfile"
 )
 
 // ConditionKind says what a Condition matches.
@@ -79,7 +81,7 @@ func (c *Condition) UnmarshalYAML(n *yaml.Node) error {
 		case "timeout":
 			*c = Condition{Kind: OnTimeout}
 		default:
-			return fmt.Errorf("line %d: unknown condition %q (want connect_failure, timeout or {status: N, body_contains: \"...\"})", n.Line, n.Value)
+			return configfile.ValueError(n, "unknown condition %q (want connect_failure, timeout or {status: N, body_contains: \"...\"})", n.Value)
 		}
 		return nil
 	case yaml.MappingNode:
@@ -93,16 +95,16 @@ func (c *Condition) UnmarshalYAML(n *yaml.Node) error {
 		}
 		for i := 0; i < len(n.Content); i += 2 {
 			if k := n.Content[i].Value; k != "status" && k != "body_contains" {
-				return fmt.Errorf("line %d: unknown key %q in a condition (want status, body_contains)", n.Content[i].Line, k)
+				return configfile.ValueError(n.Content[i], "unknown key %q in a condition (want status, body_contains)", k)
 			}
 		}
 		if m.Status < 100 || m.Status > 599 {
-			return fmt.Errorf("line %d: condition status must be an HTTP status (100-599), got %d", n.Line, m.Status)
+			return configfile.ValueError(n, "condition status must be an HTTP status (100-599), got %d", m.Status)
 		}
 		*c = Condition{Kind: OnStatus, Status: m.Status, BodyContains: m.BodyContains}
 		return nil
 	}
-	return fmt.Errorf("line %d: want a condition word or map", n.Line)
+	return configfile.ValueError(n, "want a condition word or map")
 }
 
 // MarshalYAML writes c back in the same forms.

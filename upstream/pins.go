@@ -15,9 +15,12 @@ import (
 // follow-ups can get the same status and message at once.
 type Pin struct {
 	Encoder string // empty when the gateway failed the /encode before choosing one
-	Failed  bool
-	Status  int
-	Message string
+	// EncoderID identifies the encoder's name and URL at pin time: a reload
+	// that moves a name to another URL must not send its pins there.
+	EncoderID uint64
+	Failed    bool
+	Status    int
+	Message   string
 }
 
 const pinShards = 64
@@ -65,9 +68,10 @@ func (t *PinTable) shard(reqID string) *pinShard {
 	return &t.shards[xxhash.Sum64String(reqID)%pinShards]
 }
 
-// Set pins reqID to encoder, replacing any earlier pin or failure.
-func (t *PinTable) Set(reqID, encoder string) {
-	t.store(reqID, Pin{Encoder: encoder})
+// Set pins reqID to the encoder named encoder with identity id (see
+// Encoder.ID), replacing any earlier pin or failure.
+func (t *PinTable) Set(reqID, encoder string, id uint64) {
+	t.store(reqID, Pin{Encoder: encoder, EncoderID: id})
 }
 
 // Fail records that reqID's /encode ended with status and message. The

@@ -13,7 +13,7 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 func TestPinTTL(t *testing.T) {
 	clk := clock.NewFake(t0)
 	p := NewPinTable(240*time.Second, 100, clk)
-	p.Set("r1", "enc-a")
+	p.Set("r1", "enc-a", 1)
 	if pin, ok := p.Get("r1"); !ok || pin.Encoder != "enc-a" || pin.Failed {
 		t.Fatalf("Get = %+v %v", pin, ok)
 	}
@@ -32,7 +32,7 @@ func TestPinTTL(t *testing.T) {
 
 func TestPinFailKeepsEncoder(t *testing.T) {
 	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
-	p.Set("r", "enc-b")
+	p.Set("r", "enc-b", 1)
 	p.Fail("r", 400, "bad media")
 	pin, ok := p.Get("r")
 	if !ok || !pin.Failed || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
@@ -60,7 +60,7 @@ func TestPinWaitWakesOnSet(t *testing.T) {
 	if p.Waiting() != 1 {
 		t.Fatalf("Waiting = %d", p.Waiting())
 	}
-	p.Set("r", "enc-c")
+	p.Set("r", "enc-c", 1)
 	if pin := <-got; pin.Encoder != "enc-c" {
 		t.Fatalf("woke with %+v", pin)
 	}
@@ -109,7 +109,7 @@ func TestPinBound(t *testing.T) {
 	clk := clock.NewFake(t0)
 	p := NewPinTable(time.Minute, 640, clk) // 11 per shard
 	for i := 0; i < 5000; i++ {
-		p.Set(fmt.Sprintf("r%d", i), "e")
+		p.Set(fmt.Sprintf("r%d", i), "e", 1)
 		clk.Advance(time.Millisecond)
 	}
 	if p.Len() > 64*11 {
@@ -126,9 +126,9 @@ func TestPinBound(t *testing.T) {
 
 func TestCountByEncoder(t *testing.T) {
 	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
-	p.Set("a", "x")
-	p.Set("b", "x")
-	p.Set("c", "y")
+	p.Set("a", "x", 1)
+	p.Set("b", "x", 1)
+	p.Set("c", "y", 1)
 	p.Fail("d", 503, "none")
 	got := p.CountByEncoder()
 	if got["x"] != 2 || got["y"] != 1 || len(got) != 2 {

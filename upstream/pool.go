@@ -28,7 +28,8 @@ type Encoder struct {
 	Name string
 	URL  string
 
-	hash   uint64
+	hash   uint64 // of the name: the rendezvous identity
+	id     uint64 // of name and URL: the pin identity
 	host   string // Host header and address, host:port
 	scheme string // http or https
 	client *fasthttp.HostClient
@@ -43,6 +44,9 @@ type Encoder struct {
 	requests atomic.Uint64
 	forced   atomic.Int32 // tests and the demo: 0 normal, 1 forced usable, 2 forced unusable
 }
+
+// ID identifies e's name and URL; pins record it (PinTable.Set).
+func (e *Encoder) ID() uint64 { return e.id }
 
 // Inflight returns the number of exchanges in progress with e.
 func (e *Encoder) Inflight() int64 { return e.inflight.Load() }
@@ -178,7 +182,8 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), host: u.Host, scheme: u.Scheme}
+	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), id: encoderID(ec),
+		host: u.Host, scheme: u.Scheme}
 	e.client = newClient(ec.Name, u, set.Client)
 	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.breakerChanged)
 	// Probes get their own small pool: an encoder whose traffic connections
@@ -203,6 +208,8 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	}()
 	return e, nil
 }
+
+func encoderID(ec EncoderConfig) uint64 { return xxhash.Sum64String(ec.Name + "\x00" + ec.URL) }
 
 func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 	dialer := &net.Dialer{Timeout: cc.ConnectTimeout.D(), KeepAlive: 30 * time.Second}
@@ -314,7 +321,7 @@ func (p *Pool) Route(reqID string, done <-chan struct{}) (*Encoder, Pin, error) 
 		return nil, pin, nil
 	}
 	e, found := p.Lookup(pin.Encoder)
-	if !found {
+	if !found || e.id != pin.EncoderID {
 		return nil, pin, &UnknownEncoderError{Name: pin.Encoder}
 	}
 	if !e.Usable() {
@@ -325,8 +332,9 @@ func (p *Pool) Route(reqID string, done <-chan struct{}) (*Encoder, Pin, error) 
 
 // Reload applies new settings: encoders that keep their name and URL keep
 // their connections, breaker, health and pins; new ones start; removed ones
-// stop their health loop and close idle connections, while requests in
-// flight on them finish. A changed breaker or health config rebuilds those
+// (and names moved to another URL, whose staged state stays behind) stop
+// their health loop and close idle connections, while requests in flight on
+// them finish. A changed breaker or health config rebuilds those
 // for every encoder (their state starts afresh).
 func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	p.reloadMu.Lock()
@@ -349,15 +357,15 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 		fresh = append(fresh, e)
 		next.list = append(next.list, e)
 		next.byName[e.Name] = e
-		if _, existed := old.byName[ec.Name]; !existed {
-			added = append(added, e.Name)
+		if prev, existed := old.byName[ec.Name]; !existed || prev.URL != ec.URL {
+			added = append(added, e.Name) // a moved name counts as removed and added
 		}
 	}
 	var retired []*Encoder
 	for _, e := range old.list {
 		if next.byName[e.Name] != e {
 			retired = append(retired, e)
-			if _, stays := next.byName[e.Name]; !stays {
+			if n, stays := next.byName[e.Name]; !stays || n.URL != e.URL {
 				removed = append(removed, e.Name)
 			}
 		}
@@ -369,6 +377,8 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 			p.m.forget(e.Name)
 		}
 	}
+	// Pins of a moved name now fail fast with "no longer configured"
+	// (their EncoderID no longer matches).
 	for _, e := range fresh {
 		p.m.track(e)
 	}

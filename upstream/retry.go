@@ -2,7 +2,6 @@ package upstream
 
 import (
 	"bytes"
-	"fmt"
 	"math"
 	"net/http"
 	"strconv"
@@ -44,7 +43,7 @@ func (j Jitter) String() string {
 // checked by Validate, so that the problem comes with its field path.
 func (j *Jitter) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind != yaml.ScalarNode {
-		return fmt.Errorf("line %d: want a jitter: full, equal, none or a fraction such as 0.2", n.Line)
+		return configfile.ValueError(n, "want a jitter: full, equal, none or a fraction such as 0.2")
 	}
 	switch n.Value {
 	case JitterFull, JitterEqual, JitterNone:
@@ -53,7 +52,7 @@ func (j *Jitter) UnmarshalYAML(n *yaml.Node) error {
 	}
 	f, err := strconv.ParseFloat(n.Value, 64)
 	if err != nil {
-		return fmt.Errorf("line %d: jitter %q is not full, equal, none or a fraction such as 0.2", n.Line, n.Value)
+		return configfile.ValueError(n, "jitter %q is not full, equal, none or a fraction such as 0.2", n.Value)
 	}
 	*j = Jitter{Mode: JitterFraction, Fraction: f}
 	return nil

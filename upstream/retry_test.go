@@ -389,13 +389,13 @@ func TestDecodeRetry(t *testing.T) {
 	}
 
 	bad := []struct{ in, want string }{
-		{"retry: {metadata: {jitter: sometimes}}", `line 1: jitter "sometimes" is not full, equal, none or a fraction`},
+		{"retry: {metadata: {jitter: sometimes}}", `retry.metadata.jitter: jitter "sometimes" is not full, equal, none or a fraction`},
 		{"retry: {metadata: {jitter: [1]}}", "want a jitter"},
-		{"retry: {metadata: {max_attempt: 2}}", "field max_attempt not found"},
+		{"retry: {metadata: {max_attempt: 2}}", "retry.metadata.max_attempt: unknown key (line 1)"},
 		{"retry: {send: {retry_on: [reset]}}", `unknown condition "reset"`},
 		{"retry: {send: {retry_on: [{status: 503, body: x}]}}", `unknown key "body"`},
 		{"retry: {budget: {window: soon}}", `"soon" is not a duration`},
-		{"retry: {health: {}}", "field health not found"},
+		{"retry: {health: {}}", "retry.health: unknown key (line 1)"},
 	}
 	for _, tc := range bad {
 		got := retryFile{Retry: DefaultRetry()}

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -28,7 +29,11 @@ func Load(path string, dst any) error {
 }
 
 // Decode decodes YAML data strictly into dst. An empty document leaves dst
-// unchanged; more than one document is an error.
+// unchanged; more than one document is an error. Problems with single keys
+// (an unknown key, a value of the wrong form) do not stop decoding: they
+// come back as a *DecodeError naming each key's field path, and dst holds
+// everything else, so the caller can validate it too and report all
+// problems at once. Any other error means nothing usable was decoded.
 func Decode(data []byte, dst any) error {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
@@ -36,13 +41,116 @@ func Decode(data []byte, dst any) error {
 		if errors.Is(err, io.EOF) {
 			return nil
 		}
-		return fmt.Errorf("parsing config: %w", err)
+		var te *yaml.TypeError
+		if !errors.As(err, &te) {
+			return fmt.Errorf("parsing config: %w", err)
+		}
+		return newDecodeError(data, te.Errors)
 	}
 	var extra any
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
 		return errors.New("parsing config: more than one YAML document")
 	}
 	return nil
+}
+
+// DecodeError lists the keys that could not be decoded, each as
+// "field.path: problem".
+type DecodeError struct{ Problems []error }
+
+func (e *DecodeError) Error() string { return errors.Join(e.Problems...).Error() }
+
+// Unwrap returns the problems, so errors.Join and friends see each one.
+func (e *DecodeError) Unwrap() []error { return e.Problems }
+
+var (
+	lineRE    = regexp.MustCompile(`^line (\d+)(?:, column (\d+))?: (.*)$`)
+	unknownRE = regexp.MustCompile(`^field (\S+) not found in type .*$`)
+)
+
+func newDecodeError(data []byte, msgs []string) *DecodeError {
+	var root yaml.Node
+	_ = yaml.Unmarshal(data, &root)
+	de := &DecodeError{}
+	for _, m := range msgs {
+		line, col, msg := 0, 0, m
+		if g := lineRE.FindStringSubmatch(m); g != nil {
+			line, _ = strconv.Atoi(g[1])
+			col, _ = strconv.Atoi(g[2])
+			msg = g[3]
+		}
+		key := ""
+		if g := unknownRE.FindStringSubmatch(msg); g != nil {
+			key, msg = g[1], "unknown key"
+		}
+		path := pathAt(&root, position{line, col}, key)
+		if path == "" {
+			path = "line " + strconv.Itoa(line)
+		} else {
+			msg += " (line " + strconv.Itoa(line) + ")"
+		}
+		de.Problems = append(de.Problems, fmt.Errorf("%s: %s", path, msg))
+	}
+	return de
+}
+
+// position is where a problem is: a line, and the column of the value when
+// known (ValueError gives it; yaml's own unknown-key errors do not).
+type position struct{ line, col int }
+
+func (p position) at(n *yaml.Node) bool { return p.col > 0 && n.Line == p.line && n.Column == p.col }
+
+// pathAt returns the field path of the problem at pos in the document under
+// n, or "": the value at exactly pos when its column is known, else the
+// deepest mapping key on that line (named key, when given).
+func pathAt(n *yaml.Node, pos position, key string) string {
+	line := pos.line
+	var walk func(n *yaml.Node, path string) string
+	walk = func(n *yaml.Node, path string) string {
+		switch n.Kind {
+		case yaml.DocumentNode:
+			for _, c := range n.Content {
+				if p := walk(c, path); p != "" {
+					return p
+				}
+			}
+		case yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				k, v := n.Content[i], n.Content[i+1]
+				child := k.Value
+				if path != "" {
+					child = path + "." + k.Value
+				}
+				if pos.at(v) {
+					return child
+				}
+				if p := walk(v, child); p != "" {
+					return p
+				}
+				if pos.col == 0 && k.Line == line && (key == "" || k.Value == key) {
+					return child
+				}
+			}
+		case yaml.SequenceNode:
+			for i, c := range n.Content {
+				child := path + "[" + strconv.Itoa(i) + "]"
+				if pos.at(c) {
+					return child
+				}
+				if p := walk(c, child); p != "" {
+					return p
+				}
+			}
+		}
+		return ""
+	}
+	return walk(n, "")
+}
+
+// ValueError reports a value that cannot be decoded, in the form that lets
+// decoding go on and collect every problem (see Decode).
+func ValueError(n *yaml.Node, format string, args ...any) error {
+	return &yaml.TypeError{Errors: []string{fmt.Sprintf("line %d, column %d: ", n.Line, n.Column) + fmt.Sprintf(format, args...)}}
 }
 
 // Duration is a time.Duration written in YAML as a Go duration string
@@ -58,11 +166,11 @@ func (d Duration) String() string { return time.Duration(d).String() }
 // UnmarshalYAML accepts a Go duration string.
 func (d *Duration) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind != yaml.ScalarNode {
-		return fmt.Errorf("line %d: want a duration such as 250ms or 5s", n.Line)
+		return ValueError(n, "want a duration such as 250ms or 5s")
 	}
 	v, err := time.ParseDuration(n.Value)
 	if err != nil {
-		return fmt.Errorf("line %d: %q is not a duration (want e.g. 250ms, 5s, 4m)", n.Line, n.Value)
+		return ValueError(n, "%q is not a duration (want e.g. 250ms, 5s, 4m)", n.Value)
 	}
 	*d = Duration(v)
 	return nil
@@ -105,11 +213,11 @@ func ParseByteSize(s string) (ByteSize, error) {
 // UnmarshalYAML accepts an integer or a number with a unit.
 func (b *ByteSize) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind != yaml.ScalarNode {
-		return fmt.Errorf("line %d: want a byte size such as 8MiB", n.Line)
+		return ValueError(n, "want a byte size such as 8MiB")
 	}
 	v, err := ParseByteSize(n.Value)
 	if err != nil {
-		return fmt.Errorf("line %d: %w", n.Line, err)
+		return ValueError(n, "%v", err)
 	}
 	*b = v
 	return nil

@@ -1,6 +1,7 @@
 package configfile
 
 import (
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -47,7 +48,7 @@ func TestDecodeStrict(t *testing.T) {
 		t.Fatalf("decoded %+v", s)
 	}
 	for in, want := range map[string]string{
-		"inner:\n  m: 1\n":      "field m not found",
+		"inner:\n  m: 1\n":      "inner.m: unknown key (line 2)",
 		"wait: soon\n":          `"soon" is not a duration`,
 		"size: [1]\n":           "want a byte size",
 		"wait: 1s\n---\nx: 1\n": "more than one YAML document",
@@ -72,5 +73,34 @@ func TestProblems(t *testing.T) {
 	err := p.Err()
 	if err == nil || !strings.Contains(err.Error(), "a.b: must be 1") || !strings.Contains(err.Error(), "c: must be > 0") {
 		t.Fatalf("Err = %v", err)
+	}
+}
+
+func TestDecodeReportsEveryKeyWithItsPath(t *testing.T) {
+	var s sample
+	err := Decode([]byte("wait: soon\ninner:\n  n: 3\n  m: 1\nextra: [1]\nsize: 2MiB\n"), &s)
+	var de *DecodeError
+	if !errors.As(err, &de) {
+		t.Fatalf("err = %v, want a *DecodeError", err)
+	}
+	want := []string{
+		`wait: "soon" is not a duration (want e.g. 250ms, 5s, 4m) (line 1)`,
+		"inner.m: unknown key (line 4)",
+		"extra: unknown key (line 5)",
+	}
+	if len(de.Problems) != len(want) {
+		t.Fatalf("problems %q, want %q", de.Problems, want)
+	}
+	for i, w := range want {
+		if de.Problems[i].Error() != w {
+			t.Errorf("problem %d = %q, want %q", i, de.Problems[i], w)
+		}
+	}
+	// Everything else was still decoded.
+	if s.Inner.N != 3 || s.Size != 2<<20 {
+		t.Errorf("partial decode lost values: %+v", s)
+	}
+	if err := Decode([]byte("wait: [\n"), &s); err == nil || errors.As(err, &de) {
+		t.Errorf("a syntax error must be fatal, got %v", err)
 	}
 }
