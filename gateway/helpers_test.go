@@ -63,6 +63,12 @@ type gw struct {
 // startGateway runs a gateway in front of the given encoder URLs.
 func startGateway(t *testing.T, urls []string, mutate func(*Config)) *gw {
 	t.Helper()
+	return startGatewayWith(t, urls, mutate, zap.NewNop())
+}
+
+// startGatewayWith is startGateway with the given logger.
+func startGatewayWith(t *testing.T, urls []string, mutate func(*Config), log *zap.Logger) *gw {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
 	for i, u := range urls {
@@ -73,7 +79,7 @@ func startGateway(t *testing.T, urls []string, mutate func(*Config)) *gw {
 	}
 	reg := prometheus.NewRegistry()
 	// Zero jitter: full-jitter backoff waits 0, so retries need no sleeping.
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg, Rand: func() float64 { return 0 }})
+	s, err := New(cfg, Deps{Log: log, Registry: reg, Rand: func() float64 { return 0 }})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -26,29 +25,8 @@ import (
 // test to read.
 func startGatewayLogged(t *testing.T, urls []string, mutate func(*Config)) (*gw, *observer.ObservedLogs) {
 	t.Helper()
-	cfg := DefaultConfig()
-	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
-	for i, u := range urls {
-		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: "enc-" + string(rune('0'+i)), URL: u})
-	}
-	if mutate != nil {
-		mutate(&cfg)
-	}
 	core, logs := observer.New(zapcore.InfoLevel)
-	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: zap.New(core), Registry: reg, Rand: func() float64 { return 0 }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	return &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}, logs
+	return startGatewayWith(t, urls, mutate, zap.New(core)), logs
 }
 
 // nextConfig is a copy of g's live config to change and reload; its
