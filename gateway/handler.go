@@ -179,7 +179,12 @@ func (s *Server) forward(c *call, timeout time.Duration) error {
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	s.buildRequest(c.ctx, c.route, req)
-	err := c.enc.Do(req, resp, timeout)
+	var err error
+	if c.route.kind == kindSend {
+		err = c.enc.DoSend(req, resp, timeout)
+	} else {
+		err = c.enc.Do(req, resp, timeout)
+	}
 	s.metrics.observeUpstream(c.enc, c.route, resp.StatusCode(), err)
 	if err != nil {
 		return err

@@ -14,6 +14,10 @@ type EncoderConfig struct {
 	Name string `yaml:"name"`
 	// URL is the encoder's base URL, http://host:port (https also works).
 	URL string `yaml:"url"`
+	// Agent, when set, is the base URL of the gpuagent on the encoder's node
+	// (http://host:7401): this encoder's /sends go there instead (the agent
+	// holds the staged embeddings). Dedupe and refcount stay in the gateway.
+	Agent string `yaml:"agent,omitempty"`
 }
 
 // AffinityConfig controls how req_ids stay on the encoder that holds them.
@@ -92,6 +96,11 @@ func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig)
 			p.Addf(at+".url", "%q is already used by %s[%d]", e.URL, path, j)
 		}
 		urls[e.URL] = i
+		if e.Agent != "" {
+			if err := checkURL(e.Agent); err != "" {
+				p.Addf(at+".agent", "%s", err)
+			}
+		}
 	}
 }
 

@@ -34,6 +34,7 @@ type Encoder struct {
 	scheme string // http or https
 	client *fasthttp.HostClient
 	probes *fasthttp.HostClient // health checks only
+	agent  *hostClient          // the node's gpuagent for /send, nil when none
 
 	Breaker *Breaker
 	Health  *Health
@@ -93,6 +94,26 @@ func (e *Encoder) State() string {
 	return "up"
 }
 
+// hostClient is a client for one base URL.
+type hostClient struct {
+	host, scheme string
+	client       *fasthttp.HostClient
+}
+
+// HasAgent reports whether e's /sends go to a gpuagent.
+func (e *Encoder) HasAgent() bool { return e.agent != nil }
+
+// DoSend is Do for /send: to the node's gpuagent when e has one.
+func (e *Encoder) DoSend(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
+	if e.agent == nil {
+		return e.Do(req, resp, timeout)
+	}
+	e.inflight.Add(1)
+	e.requests.Add(1)
+	defer e.inflight.Add(-1)
+	return do(e.agent.client, e.agent.host, e.agent.scheme, req, resp, timeout)
+}
+
 // Do sends req to e and reads the answer into resp within timeout. The
 // caller sets method, path, headers and body; Do sets the host. A connect
 // failure is a *DialError; a timeout wraps fasthttp.ErrTimeout. A request
@@ -102,12 +123,16 @@ func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout tim
 	e.inflight.Add(1)
 	e.requests.Add(1)
 	defer e.inflight.Add(-1)
-	req.Header.SetHost(e.host)
-	req.URI().SetScheme(e.scheme)
+	return do(e.client, e.host, e.scheme, req, resp, timeout)
+}
+
+func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
+	req.Header.SetHost(host)
+	req.URI().SetScheme(scheme)
 	resp.Header.SetNoDefaultContentType(true)
 	deadline := time.Now().Add(timeout)
 	for attempt := 0; ; attempt++ {
-		err := e.client.DoDeadline(req, resp, deadline)
+		err := c.DoDeadline(req, resp, deadline)
 		if err == nil || !IsStale(err) || attempt == maxStaleRetries {
 			return err
 		}
@@ -191,6 +216,13 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	probeClient := newClient(ec.Name, u, ClientConfig{ConnectTimeout: set.Client.ConnectTimeout,
 		IdleConnTimeout: set.Client.IdleConnTimeout, MaxConnsPerEncoder: 2, MaxResponseBytes: 64 << 10})
 	e.probes = probeClient
+	if ec.Agent != "" {
+		au, err := url.Parse(ec.Agent)
+		if err != nil {
+			return nil, err
+		}
+		e.agent = &hostClient{host: au.Host, scheme: au.Scheme, client: newClient(ec.Name+" agent", au, set.Client)}
+	}
 	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
 	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
 		func(err error) { p.probeResult(e, err) }, p.log)
@@ -209,7 +241,11 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	return e, nil
 }
 
-func encoderID(ec EncoderConfig) uint64 { return xxhash.Sum64String(ec.Name + "\x00" + ec.URL) }
+// encoderID covers what holds a req_id's state: the encoder, and the agent
+// holding its staged embeddings.
+func encoderID(ec EncoderConfig) uint64 {
+	return xxhash.Sum64String(ec.Name + "\x00" + ec.URL + "\x00" + ec.Agent)
+}
 
 func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 	dialer := &net.Dialer{Timeout: cc.ConnectTimeout.D(), KeepAlive: 30 * time.Second}
@@ -344,7 +380,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	next := &fleet{byName: map[string]*Encoder{}, set: set}
 	var fresh []*Encoder
 	for _, ec := range set.Encoders {
-		if e, ok := old.byName[ec.Name]; ok && e.URL == ec.URL && !rebuild {
+		if e, ok := old.byName[ec.Name]; ok && e.id == encoderID(ec) && !rebuild {
 			next.list = append(next.list, e)
 			next.byName[e.Name] = e
 			continue
@@ -357,7 +393,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 		fresh = append(fresh, e)
 		next.list = append(next.list, e)
 		next.byName[e.Name] = e
-		if prev, existed := old.byName[ec.Name]; !existed || prev.URL != ec.URL {
+		if prev, existed := old.byName[ec.Name]; !existed || prev.id != e.id {
 			added = append(added, e.Name) // a moved name counts as removed and added
 		}
 	}
@@ -365,7 +401,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	for _, e := range old.list {
 		if next.byName[e.Name] != e {
 			retired = append(retired, e)
-			if n, stays := next.byName[e.Name]; !stays || n.URL != e.URL {
+			if n, stays := next.byName[e.Name]; !stays || n.id != e.id {
 				removed = append(removed, e.Name)
 			}
 		}
@@ -398,6 +434,9 @@ func (p *Pool) stopAll(encs []*Encoder) {
 		e.Breaker.Stop()
 		e.client.CloseIdleConnections()
 		e.probes.CloseIdleConnections()
+		if e.agent != nil {
+			e.agent.client.CloseIdleConnections()
+		}
 	}
 }
 
