@@ -146,6 +146,11 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		e.abortEncode(st)
 		return
 	}
+	if fail == nil && e.opts.Stage != nil && e.opts.Mode == ModeMooncake {
+		if err := e.opts.Stage(ctx, id, int(m.length), int(m.dim), e.opts.ElementSize); err != nil {
+			fail = &encodeFailure{status: http.StatusInternalServerError, msg: "Internal encoding error: staging: " + err.Error()}
+		}
+	}
 	if fail != nil {
 		e.failEncode(w, req, st, fail)
 		return

@@ -109,6 +109,11 @@ type Options struct {
 	// Tests block in it to hold an encode in flight; it must return once ctx
 	// is done (the client went away or the encoder was closed).
 	EncodeHook func(ctx context.Context, reqID string)
+	// Stage, when set, is called in mooncake mode once the encode succeeded
+	// and before /encode answers, as sglang's encoder stages its embedding:
+	// the demo hands the embedding to the node's gpuagent here. An error
+	// fails the /encode with 500 "Internal encoding error: staging: ...".
+	Stage func(ctx context.Context, reqID string, tokens, dim, elementSize int) error
 	// Faults are the initial faults; change them with SetFaults.
 	Faults Faults
 }
