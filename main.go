@@ -1,6 +1,7 @@
 // Command encgate is a gateway for fleets of sglang multimodal encoders.
 //
 //	encgate gateway --config FILE [--check]   serve (or validate a config)
+//	encgate agent --config FILE [--check]     the per-node gpuagent
 //	encgate fake-encoder --listen ADDR ...    a faithful fake sglang encoder
 //	encgate demo                              a whole local fleet, end to end
 //	encgate version
@@ -24,6 +25,7 @@ import (
 	"github.com/encgate/encgate/demo"
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
+	"github.com/encgate/encgate/gpuagent"
 )
 
 // version is set at build time with -ldflags "-X main.version=v1.2.3".
@@ -33,6 +35,7 @@ const usage = `encgate — a gateway for fleets of sglang multimodal encoders
 
 usage:
   encgate gateway --config FILE [--check]
+  encgate agent --config FILE [--check]
   encgate fake-encoder --listen ADDR [--name N] [--mode mooncake|zmq] [fault flags]
   encgate demo
   encgate version
@@ -50,6 +53,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	switch args[0] {
 	case "gateway":
 		return runGateway(args[1:], stdout, stderr)
+	case "agent":
+		return runAgent(args[1:], stdout, stderr)
 	case "fake-encoder":
 		return runFakeEncoder(args[1:], stderr)
 	case "demo":
@@ -147,6 +152,63 @@ func serveUntilSignal(srv *gateway.Server, path string, cfg gateway.Config, log 
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Grace.D())
 	defer cancel()
 	if err := srv.Shutdown(ctx); err != nil {
+		log.Error("drain did not finish within shutdown.grace", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+func runAgent(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	path := fs.String("config", "", "agent YAML config `file` (required)")
+	check := fs.Bool("check", false, "validate the config, print every problem, and exit (0 valid, 2 invalid)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *path == "" {
+		fmt.Fprintln(stderr, "agent: --config is required")
+		return 2
+	}
+	cfg, err := gpuagent.LoadConfig(*path)
+	if err != nil {
+		printProblems(stderr, *path, err)
+		return 2
+	}
+	if *check {
+		fmt.Fprintf(stdout, "%s: valid\n", *path)
+		return 0
+	}
+	log, _, err := newLogger(cfg.Log.Level)
+	if err != nil {
+		fmt.Fprintln(stderr, "agent:", err)
+		return 2
+	}
+	defer func() { _ = log.Sync() }()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	agent, err := gpuagent.New(cfg, gpuagent.Deps{Log: log, Registry: reg})
+	if err != nil {
+		log.Error("building agent", zap.Error(err))
+		return 1
+	}
+	if err := agent.Start(); err != nil {
+		log.Error("starting agent", zap.Error(err))
+		return 1
+	}
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	select {
+	case sig := <-sigs:
+		log.Info("signal received, draining", zap.String("signal", sig.String()), zap.Duration("grace", cfg.Shutdown.Grace.D()))
+	case err := <-agent.Done():
+		log.Error("listener stopped", zap.Error(err))
+		return 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Grace.D())
+	defer cancel()
+	if err := agent.Shutdown(ctx); err != nil {
 		log.Error("drain did not finish within shutdown.grace", zap.Error(err))
 		return 1
 	}

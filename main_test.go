@@ -14,14 +14,15 @@ func runCmd(args ...string) (code int, stdout, stderr string) {
 	return code, out.String(), errb.String()
 }
 
-// Every example config must load and validate. Only gateway configs exist
-// so far; a file for another role fails here until its check is added.
+// Every example config must load and validate with its role's --check:
+// gateway*.yaml with `encgate gateway`, agent*.yaml with `encgate agent`.
+// A file for an unknown role fails here until its check is added.
 func TestEveryExampleConfigLoads(t *testing.T) {
 	entries, err := os.ReadDir("configs")
 	if err != nil {
 		t.Fatal(err)
 	}
-	gateways := 0
+	roles := map[string]int{}
 	for _, e := range entries {
 		name := e.Name()
 		path := filepath.Join("configs", name)
@@ -29,26 +30,31 @@ func TestEveryExampleConfigLoads(t *testing.T) {
 			t.Errorf("%s: unexpected directory in configs/", path)
 			continue
 		}
-		if !strings.HasPrefix(name, "gateway") || filepath.Ext(name) != ".yaml" {
-			t.Errorf("%s: not a gateway*.yaml config; add a check for its role to this test", path)
+		role := ""
+		for _, r := range []string{"gateway", "agent"} {
+			if strings.HasPrefix(name, r) && filepath.Ext(name) == ".yaml" {
+				role = r
+			}
+		}
+		if role == "" {
+			t.Errorf("%s: not a gateway*.yaml or agent*.yaml config; add a check for its role to this test", path)
 			continue
 		}
-		gateways++
+		roles[role]++
 		t.Run(name, func(t *testing.T) {
-			code, stdout, stderr := runCmd("gateway", "--config", path, "--check")
+			code, stdout, stderr := runCmd(role, "--config", path, "--check")
 			if code != 0 {
 				t.Fatalf("exit %d, stderr:\n%s", code, stderr)
 			}
-			if !strings.Contains(stdout, path+": valid (") {
+			if !strings.Contains(stdout, path+": valid") {
 				t.Fatalf("stdout %q does not report the config valid", stdout)
 			}
 		})
 	}
-	if gateways == 0 {
-		t.Fatal("configs/ has no gateway config")
-	}
-	if _, err := os.Stat(filepath.Join("configs", "gateway.yaml")); err != nil {
-		t.Fatalf("configs/gateway.yaml: %v", err)
+	for _, r := range []string{"gateway", "agent"} {
+		if roles[r] == 0 {
+			t.Errorf("configs/ has no %s config", r)
+		}
 	}
 }
 

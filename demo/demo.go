@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,6 +22,7 @@ import (
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/jsonfield"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -65,11 +67,18 @@ type Result struct {
 	Pins        int
 	Errors      map[string]int // "status route: message" -> count
 
-	Phase1      map[string]int // /encode calls per encoder after phase 1
-	RetriedOK   int            // answers that took retries and ended 200
-	Local       int            // failed follow-ups answered by the gateway itself
-	Retries     map[string]float64
-	Transitions []string // breaker transitions, "enc-c closed->open x1"
+	Phase1          map[string]int // /encode calls per encoder after phase 1
+	RetriedOK       int            // answers that took retries and ended 200
+	Landed          int            // /sends answered 200, each with its own landing slot
+	Verified        int            // of those, slots whose bytes match the staged embedding
+	Corrupt         int            // slots whose bytes do not match
+	BytesVerified   int64          // bytes checked
+	ReceiverWrites  uint64         // writes the receiver applied
+	BytesMoved      float64        // bytes the agents wrote
+	TransferSeconds float64        // time the agents spent writing them
+	Local           int            // failed follow-ups answered by the gateway itself
+	Retries         map[string]float64
+	Transitions     []string // breaker transitions, "enc-c closed->open x1"
 
 	DupsInjected  int            // duplicate /sends the driver added
 	Replayed      int            // /send answers marked X-Encgate-Replayed
@@ -90,13 +99,19 @@ type RouteStats struct {
 // (affinity, answers) does not hold.
 func Run(ctx context.Context, w io.Writer, opts Options) error {
 	opts.defaults()
-	fleet, err := startFleet(opts.Encoders, !opts.Calm)
+	slot := tokensPerItem * dim * 2 // one part's bf16 embedding
+	nd, err := startNodes(opts.Encoders, opts.Requests*opts.Parts*opts.ReceiverTP*slot, opts.Log)
+	if err != nil {
+		return err
+	}
+	defer nd.close()
+	fleet, err := startFleet(opts.Encoders, !opts.Calm, nd)
 	if err != nil {
 		return err
 	}
 	defer fleet.close()
 	reg := prometheus.NewRegistry()
-	gw, err := startGateway(fleet, opts.Log, reg)
+	gw, err := startGateway(fleet, nd, opts.Log, reg)
 	if err != nil {
 		return err
 	}
@@ -114,7 +129,7 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 			"        %s fails every /encode with 500 in phase 1 and recovers for phase 2\n", fleet.flaky().Stats().Name)
 	}
 	fmt.Fprintln(w)
-	d := newDriver("http://"+gw.Addr(), opts)
+	d := newDriver("http://"+gw.Addr(), opts, newLanding(nd.recv))
 	start := time.Now()
 	half := opts.Requests / 2
 	if opts.Calm {
@@ -131,6 +146,10 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	}
 	res := d.result(fleet, gw, reg)
 	res.Phase1 = phase1
+	res.Verified, res.Corrupt, res.BytesVerified = d.land.verify(nd.recv)
+	res.Landed = len(d.land.sent)
+	res.ReceiverWrites = nd.recv.Stats().Writes
+	res.BytesMoved, res.TransferSeconds = nd.transferred()
 	printSummary(w, res, time.Since(start), opts)
 	return res.check(opts)
 }
@@ -162,13 +181,22 @@ var flakyFaults = fakeencoder.Faults{
 	FailMessage: "Internal encoding error: CUDA out of memory (injected)",
 }
 
-func startFleet(n int, faults bool) (*fleet, error) {
+// The demo's embeddings: 64 tokens x 256 dims of bf16 per image (32 KiB).
+const (
+	tokensPerItem = 64
+	dim           = 256
+)
+
+func startFleet(n int, faults bool, nd *nodes) (*fleet, error) {
 	f := &fleet{}
 	for i := 0; i < n; i++ {
 		o := fakeencoder.Options{
 			Name:          fmt.Sprintf("enc-%c", 'a'+i),
 			Mode:          fakeencoder.ModeMooncake,
 			EncodeLatency: 5 * time.Millisecond,
+			TokensPerItem: tokensPerItem,
+			Dim:           dim,
+			Stage:         nd.stager(i),
 			Faults:        fakeencoder.Faults{MetadataDelay: 2 * time.Millisecond},
 		}
 		if faults {
@@ -216,11 +244,11 @@ func (f *fleet) close() {
 	}
 }
 
-func startGateway(f *fleet, log *zap.Logger, reg *prometheus.Registry) (*gateway.Server, error) {
+func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry) (*gateway.Server, error) {
 	cfg := gateway.DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
-	for _, e := range f.encs {
-		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL()})
+	for i, e := range f.encs {
+		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL(), Agent: nd.agentURL(i)})
 	}
 	cfg.Breaker.ConsecutiveFailures = 3
 	cfg.Breaker.OpenTimeout = configfile.Duration(300 * time.Millisecond)
@@ -237,6 +265,7 @@ type driver struct {
 	base   string
 	opts   Options
 	client *http.Client
+	land   *landing
 
 	mu        sync.Mutex // protects calls, errors, dups, replayed and retriedOK
 	calls     map[string]*RouteStats
@@ -247,9 +276,9 @@ type driver struct {
 	local     int // follow-up errors the gateway answered itself (no attempt upstream)
 }
 
-func newDriver(base string, opts Options) *driver {
+func newDriver(base string, opts Options, land *landing) *driver {
 	return &driver{
-		base: base, opts: opts,
+		base: base, opts: opts, land: land,
 		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}, Timeout: 30 * time.Second},
 		calls:  map[string]*RouteStats{}, errors: map[string]int{},
 	}
@@ -274,7 +303,6 @@ func (d *driver) run(ctx context.Context, from, to int) {
 func (d *driver) request(ctx context.Context, i int) {
 	rid := fmt.Sprintf("demo-%04d", i)
 	var wg sync.WaitGroup
-	var offset int64
 	for k := 0; k < d.opts.Parts; k++ {
 		part := fmt.Sprintf("%s_local_part_%d", rid, k)
 		media := fmt.Sprintf(`"https://example.com/img-%d-%d.png"`, i, k)
@@ -282,18 +310,17 @@ func (d *driver) request(ctx context.Context, i int) {
 			media = fmt.Sprintf(`"fail:400:Error while loading data https://example.com/missing-%d.png: 404 Not Found"`, i)
 		}
 		wg.Add(1)
-		go func(base int64) {
+		go func() {
 			defer wg.Done()
-			d.part(ctx, part, k, media, base)
-		}(offset)
-		offset += 1 << 20
+			d.part(ctx, part, k, media)
+		}()
 	}
 	wg.Wait()
 }
 
 // part drives one part id: the ranks start first, as sglang's schedulers
 // often do, so their follow-ups wait in the gateway for the /encode's pin.
-func (d *driver) part(ctx context.Context, part string, k int, media string, bufBase int64) {
+func (d *driver) part(ctx context.Context, part string, k int, media string) {
 	var wg sync.WaitGroup
 	dup := d.opts.DupEvery > 0 && d.seq(part)%d.opts.DupEvery == 0
 	for r := 0; r < d.opts.ReceiverTP; r++ {
@@ -301,27 +328,45 @@ func (d *driver) part(ctx context.Context, part string, k int, media string, buf
 		go func() {
 			defer wg.Done()
 			meta := fmt.Sprintf(`{"req_id":%q,"part_idx":%d}`, part, k)
-			if _, ok := d.post(ctx, "/scheduler_receive_meta_data", meta); !ok {
+			body, ok := d.post(ctx, "/scheduler_receive_meta_data", meta)
+			if !ok {
 				return
 			}
-			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
-				`"session_id":"127.0.0.1:17000","buffer_address":%d,"receive_count":%d}`,
-				part, k, 41000+r, 140737488355328+int64(r)<<32+bufBase, d.opts.ReceiverTP)
+			size := metaSize(body)
+			addr, ok := d.land.alloc(uint64(size)) // this rank's landing slot, as its EmbeddingPool gives
+			if !ok {
+				d.record("/send", 0, "demo receiver buffer full", 0)
+				return
+			}
+			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"embedding_size":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
+				`"session_id":%q,"buffer_address":%d,"receive_count":%d}`,
+				part, k, size, 41000+r, d.land.session, addr, d.opts.ReceiverTP)
+			delivered := false
 			switch {
 			case dup && r == 0: // a confused rank: the same /send twice at once
 				d.countDup()
 				var both sync.WaitGroup
+				var okBoth atomic.Bool
 				both.Add(2)
 				for i := 0; i < 2; i++ {
-					go func() { defer both.Done(); d.post(ctx, "/send", send) }()
+					go func() {
+						defer both.Done()
+						if _, ok := d.post(ctx, "/send", send); ok {
+							okBoth.Store(true)
+						}
+					}()
 				}
 				both.Wait()
+				delivered = okBoth.Load()
 			case dup && r == 1: // a retrying middleware: the same /send again after the answer
-				d.post(ctx, "/send", send)
+				_, delivered = d.post(ctx, "/send", send)
 				d.countDup()
 				d.post(ctx, "/send", send)
 			default:
-				d.post(ctx, "/send", send)
+				_, delivered = d.post(ctx, "/send", send)
+			}
+			if delivered {
+				d.land.record(part, addr, size)
 			}
 		}()
 	}
@@ -334,6 +379,16 @@ func (d *driver) part(ctx context.Context, part string, k int, media string, buf
 		// from the remembered /encode, without a round trip.
 		d.post(ctx, "/scheduler_receive_meta_data", fmt.Sprintf(`{"req_id":%q,"part_idx":%d}`, part, k))
 	}
+}
+
+// metaSize reads embedding_size from a metadata answer.
+func metaSize(body []byte) int {
+	var raw [1][]byte
+	if jsonfield.Lookup(body, []string{"embedding_size"}, raw[:]) != nil {
+		return 0
+	}
+	n, _ := jsonfield.Int(raw[0])
+	return int(n)
 }
 
 func (d *driver) countDup() {
@@ -468,6 +523,9 @@ func (r *Result) check(o Options) error {
 			return fmt.Errorf("unexpected error kind %q", kind)
 		}
 	}
+	if r.Corrupt > 0 || r.Verified != r.Landed || r.Landed == 0 {
+		return fmt.Errorf("transfers: %d of %d landings verified, %d corrupt", r.Verified, r.Landed, r.Corrupt)
+	}
 	if !o.Calm {
 		if r.RetriedOK == 0 {
 			return fmt.Errorf("no retry ended in a 200")
@@ -483,6 +541,9 @@ func (r *Result) check(o Options) error {
 		if n != 1 {
 			return fmt.Errorf("duplicate /send reached an encoder: %s received %d times", key, n)
 		}
+	}
+	if r.ReceiverWrites != uint64(r.Landed) {
+		return fmt.Errorf("the receiver took %d writes for %d delivered /sends", r.ReceiverWrites, r.Landed)
 	}
 	if o.DupEvery > 0 && r.DupsInjected == 0 {
 		return fmt.Errorf("no duplicate /send was injected")
@@ -530,13 +591,20 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 	fmt.Fprintf(w, "duplicate /sends injected: %d (a rank sending twice at once, a middleware retrying after the answer)\n", r.DupsInjected)
 	fmt.Fprintf(w, "  suppressed by the gateway: %.0f coalesced in flight, %.0f replayed from the store, %.0f after release; answers marked X-Encgate-Replayed: %d\n",
 		r.Suppressed["inflight"], r.Suppressed["replay"], r.Suppressed["released"], r.Replayed)
-	once := 0
-	for _, n := range r.SendsReceived {
-		if n == 1 {
-			once++
-		}
+	fmt.Fprintf(w, "  the receiver took exactly one write per delivered (req_id, destination): %d writes for %d /sends\n",
+		r.ReceiverWrites, r.Landed)
+	gbps, mean := 0.0, 0.0
+	if took > 0 {
+		gbps = r.BytesMoved / took.Seconds() / 1e9
 	}
-	fmt.Fprintf(w, "  encoders received exactly one /send per (req_id, destination): %d of %d\n", once, len(r.SendsReceived))
+	if r.Landed > 0 {
+		mean = r.TransferSeconds / float64(r.Landed) * 1e3
+	}
+	fmt.Fprintf(w, "transfers: the agents moved %.1f MiB over Mooncake TCP in %d transfers of %d KiB, %.3f GB/s over the run\n"+
+		"  (%.1f ms per transfer on average; small parts on 2 shared cores: latency, not bandwidth)\n"+
+		"  checksums verified at the receiver: %d of %d landings (%.1f MiB), %d corrupt\n",
+		r.BytesMoved/(1<<20), r.Landed, tokensPerItem*dim*2>>10, gbps, mean,
+		r.Verified, r.Landed, float64(r.BytesVerified)/(1<<20), r.Corrupt)
 	fmt.Fprintf(w, "errors by kind (each from an injected fault: media that failed to load, or the flaky encoder):\n")
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(w, "  none")

@@ -139,14 +139,17 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		return
 	}
 	m := e.sizes(itemCount(req.field("mm_items")))
-	e.mu.Lock()
-	e.publishLocked(id, m)
-	e.mu.Unlock()
+	staging := e.opts.Stage != nil && e.opts.Mode == ModeMooncake
+	if !staging { // with an agent, metadata waits until the embedding is staged there
+		e.mu.Lock()
+		e.publishLocked(id, m)
+		e.mu.Unlock()
+	}
 	if !e.runEncodeHook(ctx, id) || !e.sleep(ctx, RouteEncode, e.opts.EncodeLatency) {
 		e.abortEncode(st)
 		return
 	}
-	if fail == nil && e.opts.Stage != nil && e.opts.Mode == ModeMooncake {
+	if fail == nil && staging {
 		if err := e.opts.Stage(ctx, id, int(m.length), int(m.dim), e.opts.ElementSize); err != nil {
 			fail = &encodeFailure{status: http.StatusInternalServerError, msg: "Internal encoding error: staging: " + err.Error()}
 		}

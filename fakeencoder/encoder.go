@@ -111,7 +111,9 @@ type Options struct {
 	EncodeHook func(ctx context.Context, reqID string)
 	// Stage, when set, is called in mooncake mode once the encode succeeded
 	// and before /encode answers, as sglang's encoder stages its embedding:
-	// the demo hands the embedding to the node's gpuagent here. An error
+	// the demo hands the embedding to the node's gpuagent here. Metadata is
+	// then published only after staging (not at preprocessing time), so no
+	// rank's /send can reach the agent before the embedding does. An error
 	// fails the /encode with 500 "Internal encoding error: staging: ...".
 	Stage func(ctx context.Context, reqID string, tokens, dim, elementSize int) error
 	// Faults are the initial faults; change them with SetFaults.

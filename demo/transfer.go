@@ -1,0 +1,174 @@
+package demo
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/gpuagent/mooncake"
+)
+
+// nodes are the encoder nodes' gpuagents and the receiver they write into
+// (one Mooncake TCP receiver standing in for a language-only server's ranks).
+type nodes struct {
+	agents []*gpuagent.Agent
+	regs   []*prometheus.Registry
+	recv   *mooncake.Receiver
+	client *http.Client
+}
+
+func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
+	recv, err := mooncake.NewReceiver(mooncake.ReceiverConfig{
+		HandshakeListen: "127.0.0.1:0", DataListen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1",
+		Buffers: []int{receiverBytes},
+	}, log)
+	if err != nil {
+		return nil, err
+	}
+	nd := &nodes{recv: recv, client: &http.Client{Timeout: 30 * time.Second}}
+	if err := recv.Start(); err != nil {
+		return nil, err
+	}
+	for i := 0; i < n; i++ {
+		cfg := gpuagent.DefaultConfig()
+		cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+		reg := prometheus.NewRegistry()
+		a, err := gpuagent.New(cfg, gpuagent.Deps{Log: log, Registry: reg})
+		if err == nil {
+			err = a.Start()
+		}
+		if err != nil {
+			nd.close()
+			return nil, err
+		}
+		nd.agents = append(nd.agents, a)
+		nd.regs = append(nd.regs, reg)
+	}
+	return nd, nil
+}
+
+func (nd *nodes) agentURL(i int) string { return "http://" + nd.agents[i].Addr() }
+
+// stager is the fake encoder i's Stage hook: it hands the embedding, with
+// content derived from the req_id, to its node's agent.
+func (nd *nodes) stager(i int) func(ctx context.Context, reqID string, tokens, dim, elem int) error {
+	return func(ctx context.Context, reqID string, tokens, dim, elem int) error {
+		url := fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", nd.agentURL(i), reqID, tokens, dim)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(embedding(reqID, tokens*dim*elem)))
+		if err != nil {
+			return err
+		}
+		resp, err := nd.client.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("agent answered %d", resp.StatusCode)
+		}
+		return nil
+	}
+}
+
+func (nd *nodes) close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, a := range nd.agents {
+		_ = a.Shutdown(ctx)
+	}
+	_ = nd.recv.Close()
+}
+
+// transferred sums the agents' bytes moved and time spent moving them.
+func (nd *nodes) transferred() (bytes, seconds float64) {
+	for _, reg := range nd.regs {
+		mfs, _ := reg.Gather()
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				switch mf.GetName() {
+				case "encgate_agent_transfer_bytes_total":
+					bytes += m.GetCounter().GetValue()
+				case "encgate_agent_transfer_seconds":
+					seconds += m.GetHistogram().GetSampleSum()
+				}
+			}
+		}
+	}
+	return bytes, seconds
+}
+
+// embedding is the deterministic content of a part's embedding, so the
+// receiver's bytes can be checked without keeping a copy.
+func embedding(reqID string, n int) []byte {
+	out := make([]byte, n)
+	x := xxhash.Sum64String(reqID) | 1
+	for i := range out {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		out[i] = byte(x)
+	}
+	return out
+}
+
+// landing hands out the receiver's buffer as sglang's EmbeddingPool does:
+// each rank gets its own slot per part, and remembers what should land.
+type landing struct {
+	session string
+	base    uint64
+	size    uint64
+	next    atomic.Uint64
+
+	mu   sync.Mutex // protects sent
+	sent map[uint64]landed
+}
+
+type landed struct {
+	reqID string
+	size  int
+}
+
+func newLanding(recv *mooncake.Receiver) *landing {
+	b := recv.Buffers()[0]
+	return &landing{session: recv.SessionID(), base: b.Addr, size: b.Length, sent: map[uint64]landed{}}
+}
+
+// alloc reserves size bytes; false when the buffer is full.
+func (l *landing) alloc(size uint64) (uint64, bool) {
+	end := l.next.Add(size)
+	if end > l.size {
+		return 0, false
+	}
+	return l.base + end - size, true
+}
+
+func (l *landing) record(reqID string, addr uint64, size int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.sent[addr] = landed{reqID, size}
+}
+
+// verify compares every recorded landing with its expected content.
+func (l *landing) verify(recv *mooncake.Receiver) (ok, bad int, bytesOK int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for addr, w := range l.sent {
+		got, err := recv.Bytes(addr, w.size)
+		if err == nil && bytes.Equal(got, embedding(w.reqID, w.size)) {
+			ok++
+			bytesOK += int64(w.size)
+		} else {
+			bad++
+		}
+	}
+	return ok, bad, bytesOK
+}

@@ -1,0 +1,85 @@
+package gpuagent
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Transfer results, the values of encgate_agent_transfers_total{result}.
+const (
+	resultOK         = "ok"          // the receiver confirmed the bytes
+	resultRejected   = "rejected"    // range outside the peer's buffers; nothing written
+	resultFailed     = "failed"      // handshake, connect, write or confirmation failed
+	resultNotAllowed = "not_allowed" // destination outside transfer.allow_networks
+)
+
+// Registration kinds, the values of encgate_agent_registrations_total{kind}.
+const (
+	regShared  = "shared"   // registered (pinned) once at staging
+	regPerSend = "per_send" // the fallback: pinned around each send
+)
+
+// metrics are the agent's Prometheus collectors, registered on the registry
+// passed to New (never the global one).
+type metrics struct {
+	stagedBytes    prometheus.Gauge
+	stagedEntries  prometheus.Gauge
+	transferBytes  prometheus.Counter
+	transferTime   prometheus.Histogram
+	transfers      *prometheus.CounterVec // result
+	registrations  *prometheus.CounterVec // kind
+	requests       *prometheus.CounterVec // route, code
+	notifyFailures prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		stagedBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "encgate_agent_staged_bytes",
+			Help: "Bytes held for staged embeddings (being staged, staged, or released but still being sent).",
+		}),
+		stagedEntries: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "encgate_agent_staged_entries",
+			Help: "Staged entries held, failed encodes included.",
+		}),
+		transferBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_agent_transfer_bytes_total",
+			Help: "Bytes written into receivers and confirmed.",
+		}),
+		transferTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "encgate_agent_transfer_seconds",
+			Help:    "Time of one transfer through the Mooncake initiator (handshake included), whatever its result.",
+			Buckets: prometheus.ExponentialBucketsRange(0.0001, 60, 20),
+		}),
+		transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_transfers_total",
+			Help: "Transfers by result: ok, rejected (range outside the peer's buffers), failed, not_allowed (destination outside transfer.allow_networks).",
+		}, []string{"result"}),
+		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_registrations_total",
+			Help: "Memory registrations by kind: shared (once at staging) or per_send (the fallback, around each send).",
+		}, []string{"kind"}),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_requests_total",
+			Help: "Requests answered on the control API, by route and status code.",
+		}, []string{"route", "code"}),
+		notifyFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_agent_notify_failures_total",
+			Help: "Completion notices that failed after a confirmed transfer.",
+		}),
+	}
+	reg.MustRegister(m.stagedBytes, m.stagedEntries, m.transferBytes, m.transferTime,
+		m.transfers, m.registrations, m.requests, m.notifyFailures)
+	for _, r := range []string{resultOK, resultRejected, resultFailed, resultNotAllowed} {
+		m.transfers.WithLabelValues(r)
+	}
+	for _, k := range []string{regShared, regPerSend} {
+		m.registrations.WithLabelValues(k)
+	}
+	return m
+}
+
+func (m *metrics) request(route string, code int) {
+	m.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
+}

@@ -1,0 +1,504 @@
+package mooncake
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Defaults for InitiatorConfig's zero values.
+const (
+	DefaultConnectTimeout = 5 * time.Second  // MC_HANDSHAKE_CONNECT_TIMEOUT
+	DefaultTimeout        = 30 * time.Second // MC_TRANSFER_TIMEOUT, MC_TCP_STATUS_TIMEOUT_SEC
+	DefaultMaxIdlePerPeer = 4                // MC_TCP_LANES_PER_PEER
+	maxSessions           = 1024             // cached descriptors kept at most
+)
+
+// InitiatorConfig configures an Initiator. The zero value is usable.
+type InitiatorConfig struct {
+	// ConnectTimeout bounds each dial (handshake and data). Default 5s.
+	ConnectTimeout time.Duration
+	// Timeout bounds each handshake, and each transfer attempt from the
+	// header to its confirmation (status frame or EOF). A ctx deadline that is
+	// earlier wins. Default 30s.
+	Timeout time.Duration
+	// MaxIdlePerPeer is how many idle data connections to one v2 peer are
+	// kept for reuse. 0 means 4; a negative value disables pooling.
+	MaxIdlePerPeer int
+	// Dial opens every connection the Initiator makes, handshake and data
+	// alike ("tcp", "host:port"), so it is the place to enforce an allow-list
+	// (the data host comes from the peer's descriptor, not from the caller).
+	// nil means a net.Dialer. The context carries ConnectTimeout.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+}
+
+// Result describes one completed Write.
+type Result struct {
+	Bytes     int  // payload bytes confirmed
+	Version   int  // 1 (half-close + EOF) or 2 (status frame)
+	Reused    bool // the transfer went over a pooled connection
+	Handshake bool // this call fetched the descriptor (first use or refresh)
+}
+
+// Initiator writes into Mooncake TCP receivers (reference §1.8). It caches one
+// descriptor per session ID and pools data connections to v2 peers. It is safe
+// for concurrent use.
+type Initiator struct {
+	cfg InitiatorConfig
+
+	mu       sync.Mutex // protects sessions, closed and every session's desc, gen and idle
+	sessions map[string]*session
+	closed   bool
+}
+
+// session is the cached state for one session ID.
+type session struct {
+	id    string
+	fetch chan struct{} // one handshake at a time per session (a 1-slot semaphore)
+
+	desc     *Descriptor // nil until fetched, and after an invalidation
+	gen      uint64      // incremented each time desc is replaced
+	idle     []net.Conn  // pooled connections to idleAddr (LIFO)
+	idleAddr string
+}
+
+// NewInitiator returns an Initiator with cfg's zero values defaulted.
+func NewInitiator(cfg InitiatorConfig) *Initiator {
+	if cfg.ConnectTimeout <= 0 {
+		cfg.ConnectTimeout = DefaultConnectTimeout
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.MaxIdlePerPeer == 0 {
+		cfg.MaxIdlePerPeer = DefaultMaxIdlePerPeer
+	}
+	if cfg.Dial == nil {
+		d := &net.Dialer{}
+		cfg.Dial = d.DialContext
+	}
+	return &Initiator{cfg: cfg, sessions: make(map[string]*session)}
+}
+
+// Write moves payload to [addr, addr+len(payload)) in the peer named by
+// sessionID ("host:rpc_port"), following reference §1.8:
+//
+//  1. the segment descriptor comes from the cache, or from a Metadata
+//     handshake on sessionID (one at a time per session; the handshake
+//     connection is closed as soon as the reply is read);
+//  2. the peer must list "tcp" (else ErrNotTCP) and the range must lie inside
+//     one advertised buffer (else *RangeError); in both cases nothing is sent;
+//  3. a data connection to host(desc.Name):tcp_data_port (TCP_NODELAY) gets
+//     the 24-byte header (opcode 0x01, or 0x81 when tcp_proto_version >= 2)
+//     and the payload, written from the slice without a copy;
+//  4. v2: the 8-byte status frame is read while the body is still being sent;
+//     OK confirms, ADDR_REJECTED is *RejectedError, and the connection goes
+//     back to the pool. v1: CloseWrite, then EOF confirms (a v1 server closes
+//     only after applying every byte), and the connection is closed.
+//
+// When an attempt that used a cached descriptor or a pooled connection fails
+// (other than by a timeout or ctx), the descriptor is fetched again and the
+// transfer is retried once on a new connection; rewriting the same bytes to
+// the same range is harmless. payload is not used after Write returns.
+//
+// An empty payload is a *RangeError (a size of 0 lies inside no buffer).
+// Errors other than *RangeError and *RejectedError name the session and wrap
+// the cause; a ctx that ends the call is reported as ctx.Err() (errors.Is).
+func (i *Initiator) Write(ctx context.Context, sessionID string, addr uint64, payload []byte) (Result, error) {
+	s, err := i.session(sessionID)
+	if err != nil {
+		return Result{}, err
+	}
+	desc, gen, hs, err := i.descriptor(ctx, s)
+	if err != nil {
+		return Result{Handshake: hs}, err
+	}
+	res, retry, err := i.attempt(ctx, s, desc, addr, payload, !hs)
+	res.Handshake = hs
+	if err == nil || !retry || ctx.Err() != nil {
+		return res, err
+	}
+	i.invalidate(s, gen)
+	desc, _, hs2, derr := i.descriptor(ctx, s)
+	if derr != nil {
+		// The peer's present state wins over a verdict on stale data.
+		return Result{Handshake: hs || hs2}, fmt.Errorf("%w (refreshing the descriptor after: %v)", derr, err)
+	}
+	res, _, err = i.attempt(ctx, s, desc, addr, payload, false)
+	res.Handshake = hs || hs2
+	return res, err
+}
+
+// Descriptor returns the session's segment descriptor, from the cache or by a
+// Metadata handshake.
+func (i *Initiator) Descriptor(ctx context.Context, sessionID string) (Descriptor, error) {
+	s, err := i.session(sessionID)
+	if err != nil {
+		return Descriptor{}, err
+	}
+	d, _, _, err := i.descriptor(ctx, s)
+	return d, err
+}
+
+// Close closes the pooled connections. Writes in flight finish; later ones
+// fail with ErrClosed.
+func (i *Initiator) Close() error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.closed = true
+	for _, s := range i.sessions {
+		s.closeIdleLocked()
+	}
+	clear(i.sessions)
+	return nil
+}
+
+// session returns the cache entry for id, creating it (and evicting another
+// entry when the cache is full).
+func (i *Initiator) session(id string) (*session, error) {
+	if _, _, err := ParseSessionID(id); err != nil {
+		return nil, err
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.closed {
+		return nil, ErrClosed
+	}
+	if s, ok := i.sessions[id]; ok {
+		return s, nil
+	}
+	if len(i.sessions) >= maxSessions {
+		for k, old := range i.sessions { // map order: an arbitrary victim
+			old.closeIdleLocked()
+			delete(i.sessions, k)
+			break
+		}
+	}
+	s := &session{id: id, fetch: make(chan struct{}, 1)}
+	i.sessions[id] = s
+	return s, nil
+}
+
+// descriptor returns s's descriptor and its generation; hs reports whether
+// this call did the handshake.
+func (i *Initiator) descriptor(ctx context.Context, s *session) (d Descriptor, gen uint64, hs bool, err error) {
+	if d, gen, ok := i.cached(s); ok {
+		return d, gen, false, nil
+	}
+	select {
+	case s.fetch <- struct{}{}:
+	case <-ctx.Done():
+		return Descriptor{}, 0, false, fmt.Errorf("mooncake: waiting for the handshake with %s: %w", s.id, ctx.Err())
+	}
+	defer func() { <-s.fetch }()
+	if d, gen, ok := i.cached(s); ok { // another caller fetched it meanwhile
+		return d, gen, false, nil
+	}
+	d, err = i.handshake(ctx, s.id)
+	if err != nil {
+		return Descriptor{}, 0, true, err
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	s.gen++
+	s.desc = &d
+	return d, s.gen, true, nil
+}
+
+func (i *Initiator) cached(s *session) (Descriptor, uint64, bool) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if s.desc == nil {
+		return Descriptor{}, 0, false
+	}
+	return *s.desc, s.gen, true
+}
+
+// invalidate drops s's descriptor and pooled connections, unless another
+// caller has already replaced generation gen.
+func (i *Initiator) invalidate(s *session, gen uint64) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if s.gen == gen {
+		s.desc = nil
+		s.closeIdleLocked()
+	}
+}
+
+func (s *session) closeIdleLocked() {
+	for _, c := range s.idle {
+		_ = c.Close()
+	}
+	s.idle = nil
+}
+
+// handshake fetches the peer's descriptor with a Metadata frame (reference
+// §2.2) and closes the connection as soon as the reply is read: the peer's
+// handshake listener serves one connection at a time until the client closes.
+func (i *Initiator) handshake(ctx context.Context, sessionID string) (Descriptor, error) {
+	host, port, err := ParseSessionID(sessionID)
+	if err != nil {
+		return Descriptor{}, err
+	}
+	conn, err := i.dial(ctx, net.JoinHostPort(host, strconv.Itoa(port)))
+	if err != nil {
+		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: %w", sessionID, err)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(aLongTimeAgo) })
+	typ, body, legacy, err := i.exchangeFrame(ctx, conn)
+	_ = conn.Close()
+	stop()
+	if err != nil {
+		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: %w", sessionID, ctxErr(ctx, err))
+	}
+	if legacy || typ != HSMetadata {
+		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: reply of type %d (legacy %t), want %d", sessionID, typ, legacy, HSMetadata)
+	}
+	d, err := DecodeDescriptor(body)
+	if err != nil {
+		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: %w", sessionID, err)
+	}
+	return d, nil
+}
+
+func (i *Initiator) exchangeFrame(ctx context.Context, conn net.Conn) (uint8, []byte, bool, error) {
+	_ = conn.SetDeadline(i.deadline(ctx))
+	if err := WriteFrame(conn, HSMetadata, []byte("{}")); err != nil {
+		return 0, nil, false, err
+	}
+	return readFrame(conn, MaxHandshakeFrame)
+}
+
+// attempt runs one transfer. retry reports whether a failure may be due to
+// stale state (a cached descriptor, a pooled connection).
+func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, addr uint64, payload []byte, cached bool) (res Result, retry bool, err error) {
+	size := uint64(len(payload))
+	version := 1
+	if desc.TCPProtoVersion >= 2 {
+		version = 2
+	}
+	res = Result{Version: version}
+	switch {
+	case !desc.HasTCP():
+		return res, cached, fmt.Errorf("mooncake: session %s (protocol %q): %w", s.id, desc.Protocols, ErrNotTCP)
+	case !desc.Contains(addr, size):
+		return res, cached, &RangeError{Session: s.id, Addr: addr, Size: size}
+	case desc.TCPDataPort <= 0:
+		return res, cached, fmt.Errorf("mooncake: session %s: descriptor has no tcp_data_port", s.id)
+	}
+	dataAddr := net.JoinHostPort(dataHost(s.id, desc), strconv.Itoa(desc.TCPDataPort))
+
+	var conn net.Conn
+	if version == 2 && cached {
+		conn = i.takeIdle(s, dataAddr)
+	}
+	res.Reused = conn != nil
+	if conn == nil {
+		if conn, err = i.dial(ctx, dataAddr); err != nil {
+			return res, cached, fmt.Errorf("mooncake: session %s: data connection to %s: %w", s.id, dataAddr, err)
+		}
+	}
+
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(aLongTimeAgo) })
+	_ = conn.SetDeadline(i.deadline(ctx))
+	hdr := Header{Size: size, Addr: addr, Opcode: OpWrite}
+	if version == 2 {
+		hdr.Opcode |= FlagV2
+		err = writeV2(conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
+	} else {
+		err = writeV1(conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
+	}
+	interrupted := !stop()
+
+	if err == errRejected {
+		_ = conn.Close()
+		return res, cached, &RejectedError{Session: s.id, Addr: addr, Size: size}
+	}
+	if err != nil {
+		_ = conn.Close()
+		err = ctxErr(ctx, err)
+		retry = (cached || res.Reused) && ctx.Err() == nil && !isTimeout(err)
+		return res, retry, fmt.Errorf("mooncake: session %s: writing %d bytes to %s (v%d): %w", s.id, size, dataAddr, version, err)
+	}
+	if version == 2 && !interrupted {
+		i.putIdle(s, dataAddr, conn)
+	} else {
+		_ = conn.Close()
+	}
+	res.Bytes = len(payload)
+	return res, false, nil
+}
+
+// statusGrace is how long writeV2 still waits for a status frame after the
+// body failed to send (a rejection may be on its way).
+const statusGrace = time.Second
+
+// errRejected is writeV2's ADDR_REJECTED outcome.
+var errRejected = errors.New("ADDR_REJECTED")
+
+// writeV2 sends header and payload while reading the status frame: a real v2
+// server answers ADDR_REJECTED after the header and closes, so a client that
+// only reads after sending a large body would see a reset instead (§9).
+func writeV2(conn net.Conn, hdr, payload []byte) error {
+	werr := make(chan error, 1)
+	var readerDone, writerFailed atomic.Bool
+	go func() {
+		bufs := net.Buffers{hdr, payload}
+		_, err := bufs.WriteTo(conn) // writev: the payload is not copied
+		if err != nil && !readerDone.Load() {
+			// The body did not go out, so no OK will come: give a frame that
+			// may already be on its way (ADDR_REJECTED) a moment, not the
+			// whole transfer timeout.
+			writerFailed.Store(true)
+			_ = conn.SetReadDeadline(time.Now().Add(statusGrace))
+		}
+		werr <- err
+	}()
+	var st [StatusFrameSize]byte
+	_, rerr := io.ReadFull(conn, st[:])
+	if rerr != nil {
+		readerDone.Store(true)
+		_ = conn.SetDeadline(aLongTimeAgo) // unblock the writer
+		if err := <-werr; err != nil && writerFailed.Load() {
+			return fmt.Errorf("sending: %w", err)
+		}
+		if rerr == io.EOF || rerr == io.ErrUnexpectedEOF {
+			return fmt.Errorf("connection closed before the status frame: %w", rerr)
+		}
+		return fmt.Errorf("reading the status frame: %w", rerr)
+	}
+	status, perr := ParseStatus(st[:])
+	if perr != nil || status != StatusOK {
+		_ = conn.SetDeadline(aLongTimeAgo) // the server closes; stop sending
+		<-werr
+		switch {
+		case perr != nil:
+			return perr
+		case status == StatusAddrRejected:
+			return errRejected
+		default:
+			return fmt.Errorf("unknown status %d", status)
+		}
+	}
+	// OK is sent only after the server applied every byte, so the writer is
+	// done or about to be.
+	if err := <-werr; err != nil {
+		return fmt.Errorf("sending: %w", err)
+	}
+	return nil
+}
+
+// writeV1 sends header and payload, half-closes, and waits for EOF: a v1
+// server reads the next header (and so sees our FIN) only after the body is in
+// memory, and then closes (reference §1.6).
+func writeV1(conn net.Conn, hdr, payload []byte) error {
+	bufs := net.Buffers{hdr, payload}
+	if _, err := bufs.WriteTo(conn); err != nil {
+		return fmt.Errorf("sending: %w", err)
+	}
+	cw, ok := conn.(interface{ CloseWrite() error })
+	if !ok {
+		return fmt.Errorf("connection %T cannot half-close, so a v1 transfer cannot be confirmed", conn)
+	}
+	if err := cw.CloseWrite(); err != nil {
+		return fmt.Errorf("half-close: %w", err)
+	}
+	var b [64]byte
+	for {
+		n, err := conn.Read(b[:])
+		if n > 0 {
+			return fmt.Errorf("v1 peer sent %d unexpected bytes after a write", n)
+		}
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("waiting for the peer to close: %w", err)
+		}
+	}
+}
+
+func (i *Initiator) takeIdle(s *session, dataAddr string) net.Conn {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if s.idleAddr != dataAddr || len(s.idle) == 0 {
+		return nil
+	}
+	c := s.idle[len(s.idle)-1]
+	s.idle = s.idle[:len(s.idle)-1]
+	return c
+}
+
+func (i *Initiator) putIdle(s *session, dataAddr string, c net.Conn) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.closed || i.sessions[s.id] != s || i.cfg.MaxIdlePerPeer < 0 {
+		_ = c.Close()
+		return
+	}
+	if s.idleAddr != dataAddr {
+		s.closeIdleLocked()
+		s.idleAddr = dataAddr
+	}
+	if len(s.idle) >= i.cfg.MaxIdlePerPeer {
+		_ = c.Close()
+		return
+	}
+	s.idle = append(s.idle, c)
+}
+
+// dial opens a TCP connection with ConnectTimeout and TCP_NODELAY.
+func (i *Initiator) dial(ctx context.Context, addr string) (net.Conn, error) {
+	dctx, cancel := context.WithTimeout(ctx, i.cfg.ConnectTimeout)
+	defer cancel()
+	c, err := i.cfg.Dial(dctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	if nd, ok := c.(interface{ SetNoDelay(bool) error }); ok {
+		_ = nd.SetNoDelay(true)
+	}
+	return c, nil
+}
+
+func (i *Initiator) deadline(ctx context.Context) time.Time {
+	d := time.Now().Add(i.cfg.Timeout)
+	if cd, ok := ctx.Deadline(); ok && cd.Before(d) {
+		return cd
+	}
+	return d
+}
+
+// dataHost is the host to dial for data: host(desc.Name) in P2P mode (the
+// name is "host:rpc_port"); the session's own host when the name is not of
+// that form.
+func dataHost(sessionID string, desc Descriptor) string {
+	if h, _, err := ParseSessionID(desc.Name); err == nil {
+		return h
+	}
+	h, _, _ := ParseSessionID(sessionID)
+	return h
+}
+
+// aLongTimeAgo is a deadline in the past, to abort blocked I/O.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// ctxErr reports the context's error in place of the deadline error that
+// cancelling it provoked.
+func ctxErr(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%w (%v)", cerr, err)
+	}
+	return err
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}

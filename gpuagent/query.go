@@ -1,0 +1,148 @@
+package gpuagent
+
+import (
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+)
+
+// elementSizes are the dtypes a stage may name, with their sizes in bytes
+// (torch's names, as sglang's model dtypes are spelt).
+var elementSizes = map[string]int64{
+	"float32":       4,
+	"float16":       2,
+	"bfloat16":      2,
+	"float8_e4m3fn": 1,
+	"float8_e5m2":   1,
+}
+
+// shmDir is the only directory a stage may map files from.
+const shmDir = "/dev/shm/"
+
+// stageRequest is a parsed POST /v1/stage query.
+type stageRequest struct {
+	ReqID string
+	// Error, when non-empty, records a failed encode; nothing else is set.
+	Error  string
+	Tokens int64  // embedding_len
+	Dim    int64  // embedding_dim
+	Dtype  string // a key of elementSizes
+	Elem   int64  // element size in bytes
+	NBytes int64  // Tokens*Dim*Elem, > 0
+	// SHM, when set, is the /dev/shm file to map at Offset instead of
+	// reading the body.
+	SHM    string
+	Offset int64
+}
+
+// badRequest is a caller mistake: a 400 envelope with msg.
+type badRequest struct{ msg string }
+
+func (e *badRequest) Error() string { return e.msg }
+
+func badf(format string, args ...any) error { return &badRequest{msg: fmt.Sprintf(format, args...)} }
+
+var stageKeys = map[string]bool{
+	"req_id": true, "error": true, "tokens": true, "dim": true, "dtype": true, "shm": true, "offset": true,
+}
+
+// parseStageQuery parses and checks a /v1/stage query string. Every key at
+// most once, no unknown keys; req_id always; then either error=MSG alone, or
+// tokens, dim and dtype with an optional shm=/dev/shm/NAME and offset.
+// Errors are *badRequest.
+func parseStageQuery(raw string) (stageRequest, error) {
+	var r stageRequest
+	q, err := url.ParseQuery(raw)
+	if err != nil {
+		return r, badf("encgate: invalid stage query: %v", err)
+	}
+	for k, v := range q {
+		if !stageKeys[k] {
+			return r, badf("encgate: unknown stage parameter %q", k)
+		}
+		if len(v) != 1 {
+			return r, badf("encgate: stage parameter %q given %d times", k, len(v))
+		}
+	}
+	r.ReqID = q.Get("req_id")
+	if r.ReqID == "" {
+		return r, badf("missing or invalid req_id")
+	}
+	if q.Has("error") {
+		if r.Error = q.Get("error"); r.Error == "" {
+			return r, badf("encgate: error must not be empty")
+		}
+		for _, k := range []string{"tokens", "dim", "dtype", "shm", "offset"} {
+			if q.Has(k) {
+				return r, badf("encgate: %s cannot be given with error", k)
+			}
+		}
+		return r, nil
+	}
+	if r.Tokens, err = positive(q, "tokens"); err != nil {
+		return r, err
+	}
+	if r.Dim, err = positive(q, "dim"); err != nil {
+		return r, err
+	}
+	r.Dtype = q.Get("dtype")
+	var ok bool
+	if r.Elem, ok = elementSizes[r.Dtype]; !ok {
+		return r, badf("encgate: unsupported dtype %q (want float32, float16, bfloat16, float8_e4m3fn or float8_e5m2)", r.Dtype)
+	}
+	if r.Tokens > maxInt/r.Dim/r.Elem {
+		return r, badf("encgate: tokens*dim*element_size = %d*%d*%d overflows", r.Tokens, r.Dim, r.Elem)
+	}
+	r.NBytes = r.Tokens * r.Dim * r.Elem
+	if !q.Has("shm") {
+		if q.Has("offset") {
+			return r, badf("encgate: offset needs shm")
+		}
+		return r, nil
+	}
+	if r.SHM, err = shmPath(q.Get("shm")); err != nil {
+		return r, err
+	}
+	if q.Has("offset") {
+		if r.Offset, err = decimal(q.Get("offset")); err != nil {
+			return r, badf("encgate: offset must be a non-negative integer, got %q", q.Get("offset"))
+		}
+		if r.Offset > maxInt-r.NBytes {
+			return r, badf("encgate: offset+size overflows")
+		}
+	}
+	return r, nil
+}
+
+// positive parses q[key] as a decimal integer > 0.
+func positive(q url.Values, key string) (int64, error) {
+	s := q.Get(key)
+	n, err := decimal(s)
+	if err != nil || n == 0 {
+		return 0, badf("encgate: %s must be a positive integer, got %q", key, s)
+	}
+	return n, nil
+}
+
+// decimal parses plain ASCII digits (no sign, no spaces) into an int64.
+func decimal(s string) (int64, error) {
+	if s == "" || strings.TrimLeft(s, "0123456789") != "" {
+		return 0, strconv.ErrSyntax
+	}
+	return strconv.ParseInt(s, 10, 64)
+}
+
+// shmPath checks that p names a file directly inside /dev/shm.
+func shmPath(p string) (string, error) {
+	name, ok := strings.CutPrefix(p, shmDir)
+	switch {
+	case !ok:
+		return "", badf("encgate: shm must be a file in %s, got %q", shmDir, p)
+	case strings.Contains(name, ".."):
+		return "", badf("encgate: shm must not contain \"..\", got %q", p)
+	case name == "" || name == "." || strings.ContainsAny(name, "/\x00"):
+		return "", badf("encgate: shm must name a file directly in %s, got %q", shmDir, p)
+	}
+	return p, nil
+}

@@ -1,0 +1,95 @@
+package gpuagent
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"syscall"
+)
+
+// region is a staged embedding's memory: data is the embedding, mapping is
+// what to unmap when it is released (anonymous memory for bytes that came
+// over HTTP, a read-only file mapping for /dev/shm). Neither is Go heap, so
+// the garbage collector never sees or moves the bytes, and pinning them
+// (mlock) pins only them.
+type region struct {
+	data    []byte
+	mapping []byte
+	// file is the open shm file (nil for anonymous memory), kept so a send
+	// can see that its writer truncated it; need is offset+len(data).
+	file *os.File
+	need int64
+}
+
+// allocRegion maps n bytes of anonymous private memory.
+func allocRegion(n int64) (region, error) {
+	m, err := syscall.Mmap(-1, 0, int(n), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		return region{}, fmt.Errorf("allocating %d bytes: %w", n, err)
+	}
+	return region{data: m, mapping: m}, nil
+}
+
+// mapSHM maps n bytes of the file at path from offset, read-only and shared
+// with the writer: the mapping starts at the page boundary below offset and
+// data is sliced from it. The file must be a regular file (not a symlink)
+// holding at least offset+n bytes. Errors are *badRequest when the caller
+// named something unusable.
+func mapSHM(path string, offset, n int64) (reg region, err error) {
+	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return region{}, badf("encgate: cannot open shm %s: %v", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	defer func() {
+		if err != nil {
+			f.Close()
+		}
+	}()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		return region{}, badf("encgate: cannot stat shm %s: %v", path, err)
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return region{}, badf("encgate: shm %s is not a regular file", path)
+	}
+	if st.Size < offset || st.Size-offset < n {
+		return region{}, badf("encgate: shm %s holds %d bytes, fewer than offset %d + %d", path, st.Size, offset, n)
+	}
+	page := int64(os.Getpagesize())
+	skip := offset % page
+	m, err := syscall.Mmap(fd, offset-skip, int(n+skip), syscall.PROT_READ, syscall.MAP_SHARED)
+	if err != nil {
+		return region{}, fmt.Errorf("mapping shm %s: %w", path, err)
+	}
+	return region{data: m[skip : skip+n : skip+n], mapping: m, file: f, need: offset + n}, nil
+}
+
+// check reports a mapped file that no longer holds the staged range (its
+// writer truncated it): sending would fault on the missing pages.
+func (r region) check() error {
+	if r.file == nil {
+		return nil
+	}
+	st, err := r.file.Stat()
+	if err != nil {
+		return fmt.Errorf("cannot stat shm %s: %w", r.file.Name(), err)
+	}
+	if st.Size() < r.need {
+		return fmt.Errorf("shm %s now holds %d bytes, fewer than the %d staged from it (truncated by its writer?)",
+			r.file.Name(), st.Size(), r.need)
+	}
+	return nil
+}
+
+// free unmaps the region (and closes its file); a zero region is a no-op.
+func (r region) free() error {
+	var err error
+	if r.mapping != nil {
+		err = syscall.Munmap(r.mapping)
+	}
+	if r.file != nil {
+		err = errors.Join(err, r.file.Close())
+	}
+	return err
+}

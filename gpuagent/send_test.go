@@ -1,0 +1,354 @@
+package gpuagent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+func TestSendWritesExactBytesIntoTheReceiver(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, nil, nil, nil)
+	data := a.stageOK(t, "req-1", 4, 8) // 64 bytes
+	addr := base(t, recv) + 100
+
+	r := a.send(t, sendReq{id: "req-1", port: 9001, session: recv.SessionID(), addr: addr, count: 1})
+	expect(t, r, http.StatusOK, "null")
+	if r.ctype != "application/json" {
+		t.Fatalf("content type %q", r.ctype)
+	}
+	got, err := recv.Bytes(addr, len(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) {
+		t.Fatalf("receiver holds %x, want %x", got, data)
+	}
+	zeros(t, recv, base(t, recv), 100)
+	zeros(t, recv, addr+uint64(len(data)), 4096)
+
+	if v := testutil.ToFloat64(a.metrics.transfers.WithLabelValues(resultOK)); v != 1 {
+		t.Errorf("transfers{ok} = %v", v)
+	}
+	if v := testutil.ToFloat64(a.metrics.transferBytes); v != 64 {
+		t.Errorf("transfer bytes = %v", v)
+	}
+	if v := testutil.ToFloat64(a.metrics.requests.WithLabelValues("send", "200")); v != 1 {
+		t.Errorf("requests{send,200} = %v", v)
+	}
+	if n := testutil.CollectAndCount(a.metrics.transferTime); n != 1 {
+		t.Errorf("transfer_seconds series = %d", n)
+	}
+	// receive_count 1 reached: released and freed.
+	if v := testutil.ToFloat64(a.metrics.stagedEntries); v != 0 {
+		t.Errorf("staged entries = %v after release", v)
+	}
+	expectErr(t, a.send(t, sendReq{id: "req-1", port: 9002, session: recv.SessionID(), addr: addr, count: 1}),
+		http.StatusInternalServerError, "req-1", "no staged embedding for req_id=req-1 (already released)")
+}
+
+func TestSendRefcountsDistinctDestinations(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, nil, nil, nil)
+	data := a.stageOK(t, "tp", 16, 16) // 512 bytes
+	b := base(t, recv)
+	rank := func(port int, addr uint64) reply {
+		return a.send(t, sendReq{id: "tp", port: port, session: recv.SessionID(), addr: addr, count: 2})
+	}
+	expect(t, rank(7001, b), http.StatusOK, "null")
+	// The same rank again re-sends but does not advance the count.
+	expect(t, rank(7001, b), http.StatusOK, "null")
+	st := a.staged(t)
+	if len(st) != 1 || len(st[0].Destinations) != 1 || st[0].Destinations[0] != "127.0.0.1:7001" || st[0].ReceiveCount != 2 {
+		t.Fatalf("staged = %+v", st)
+	}
+	expect(t, rank(7002, b+4096), http.StatusOK, "null")
+	if st := a.staged(t); len(st) != 0 {
+		t.Fatalf("still staged after 2 of 2 destinations: %+v", st)
+	}
+	for _, at := range []uint64{b, b + 4096} {
+		got, _ := recv.Bytes(at, len(data))
+		if !bytes.Equal(got, data) {
+			t.Fatalf("bytes at %#x differ", at)
+		}
+	}
+	expectErr(t, rank(7003, b+8192), http.StatusInternalServerError, "tp", "no staged embedding for req_id=tp (already released)")
+	zeros(t, recv, b+8192, len(data))
+	if held, n := a.store.usage(); held != 0 || n != 0 {
+		t.Fatalf("held %d bytes in %d entries after release", held, n)
+	}
+}
+
+func TestSendWithoutReceiveCountLeavesTheEntry(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, nil, nil, nil)
+	a.stageOK(t, "nocount", 2, 2)
+	for port := 1; port <= 3; port++ {
+		expect(t, a.send(t, sendReq{id: "nocount", port: port, session: recv.SessionID(), addr: base(t, recv), count: -1}),
+			http.StatusOK, "null")
+	}
+	if st := a.staged(t); len(st) != 1 || len(st[0].Destinations) != 3 {
+		t.Fatalf("staged = %+v", st)
+	}
+}
+
+func TestSendErrors(t *testing.T) {
+	recv := startReceiver(t)
+	session := recv.SessionID()
+	b := base(t, recv)
+	a := startAgent(t, nil, nil, nil)
+	released := func(t *testing.T, id string) {
+		t.Helper()
+		expectErr(t, a.send(t, sendReq{id: id, port: 1, session: session, addr: b, count: 1}),
+			http.StatusInternalServerError, id, fmt.Sprintf("no staged embedding for req_id=%s (already released)", id))
+	}
+
+	t.Run("unknown", func(t *testing.T) {
+		released(t, "never-staged")
+	})
+	t.Run("failed encode", func(t *testing.T) {
+		r := do(t, http.MethodPost, a.base+"/v1/stage?req_id=bad&error=Internal+encoding+error%3A+oom", nil)
+		expect(t, r, http.StatusOK, `{"req_id":"bad","error":"Internal encoding error: oom"}`)
+		if st := a.staged(t); len(st) != 1 || st[0].State != "failed" || st[0].Error != "Internal encoding error: oom" {
+			t.Fatalf("staged = %+v", st)
+		}
+		expectErr(t, a.send(t, sendReq{id: "bad", port: 1, session: session, addr: b, count: 2}),
+			http.StatusInternalServerError, "bad", "No embedding available for Mooncake GPU-direct transfer: bad")
+		released(t, "bad") // released on the error, as sglang's newer encoder does
+	})
+	t.Run("out of range", func(t *testing.T) {
+		a.stageOK(t, "far", 4, 4)
+		far := b + 1<<20 - 16 // the last 16 bytes of the buffer: 32 do not fit
+		r := a.send(t, sendReq{id: "far", port: 1, session: session, addr: far, count: 1})
+		expectErr(t, r, http.StatusBadRequest, "far", fmt.Sprintf("[%#x, %#x)", far, far+32), "session "+session, "nothing was sent")
+		zeros(t, recv, b, 1<<20)
+		released(t, "far")
+		if v := testutil.ToFloat64(a.metrics.transfers.WithLabelValues(resultRejected)); v != 1 {
+			t.Errorf("transfers{rejected} = %v", v)
+		}
+	})
+	t.Run("prefill_host not allowed", func(t *testing.T) {
+		a.stageOK(t, "pub", 4, 4)
+		r := a.send(t, sendReq{id: "pub", host: "8.8.8.8", port: 1, session: session, addr: b, count: 1})
+		expectErr(t, r, http.StatusForbidden, "pub", "prefill_host", "8.8.8.8", "transfer.allow_networks")
+		zeros(t, recv, b, 1<<20)
+		released(t, "pub")
+	})
+	t.Run("missing field releases", func(t *testing.T) {
+		a.stageOK(t, "nosession", 4, 4)
+		r := do(t, http.MethodPost, a.base+"/send", strings.NewReader(`{"req_id":"nosession","prefill_host":"127.0.0.1","embedding_port":1,"buffer_address":1}`))
+		expectErr(t, r, http.StatusBadRequest, "nosession", "session_id")
+		released(t, "nosession")
+	})
+	t.Run("invalid bodies", func(t *testing.T) {
+		for _, body := range []string{``, `[]`, `{"req_id":5}`, `{"req_id":"x"`, strings.Repeat(" ", 70<<10)} {
+			r := do(t, http.MethodPost, a.base+"/send", strings.NewReader(body))
+			if r.status != http.StatusBadRequest && r.status != http.StatusRequestEntityTooLarge {
+				t.Errorf("body %.20q: %d %s", body, r.status, r.body)
+			}
+		}
+	})
+	t.Run("size mismatch", func(t *testing.T) {
+		a.stageOK(t, "shape", 4, 4)
+		// Cannot happen through the API; corrupt the recorded shape to check
+		// the invariant is enforced as sglang does.
+		a.store.mu.Lock()
+		a.store.entries["shape"].tokens = 5
+		a.store.mu.Unlock()
+		r := a.send(t, sendReq{id: "shape", port: 1, session: session, addr: b, count: 1})
+		expectErr(t, r, http.StatusInternalServerError, "shape", "Embedding size mismatch for shape: actual=32, expected=40")
+		zeros(t, recv, b, 1<<20)
+		released(t, "shape")
+	})
+	t.Run("invalid session_id", func(t *testing.T) {
+		a.stageOK(t, "sid", 4, 4)
+		expectErr(t, a.send(t, sendReq{id: "sid", port: 1, session: "no-port", addr: b, count: 1}),
+			http.StatusBadRequest, "sid", "invalid session_id")
+		released(t, "sid")
+	})
+	// None of these errors opened a data connection, let alone wrote.
+	if st := recv.Stats(); st.DataConns != 0 || st.Writes != 0 {
+		t.Fatalf("receiver saw %+v", st)
+	}
+}
+
+func TestSendSessionOutsideAllowNetworksIsRefused(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, func(c *Config) { c.Transfer.AllowNetworks = []string{"10.0.0.0/8"} }, nil, nil)
+	a.stageOK(t, "lan", 8, 8)
+	r := a.send(t, sendReq{id: "lan", host: "10.1.2.3", port: 1, session: recv.SessionID(), addr: base(t, recv), count: 1})
+	expectErr(t, r, http.StatusForbidden, "lan", "session_id", "127.0.0.1", "transfer.allow_networks", "nothing was sent")
+	zeros(t, recv, base(t, recv), 1<<20)
+	if st := recv.Stats(); st.DataConns != 0 || st.Writes != 0 {
+		t.Fatalf("receiver saw %+v", st)
+	}
+	if v := testutil.ToFloat64(a.metrics.transfers.WithLabelValues(resultNotAllowed)); v != 1 {
+		t.Errorf("transfers{not_allowed} = %v", v)
+	}
+	if st := a.staged(t); len(st) != 0 {
+		t.Fatalf("not released on error: %+v", st)
+	}
+}
+
+func TestSendDialTimeCheckRefusesWhatTheNameResolvesTo(t *testing.T) {
+	recv := startReceiver(t)
+	// A name passes the pre-check as an address inside allow_networks, but
+	// every connection is checked again at the address actually dialled.
+	a := startAgent(t, func(c *Config) { c.Transfer.AllowNetworks = []string{"10.0.0.0/8"} }, nil, func(a *Agent) {
+		a.lookupIP = func(context.Context, string) ([]netip.Addr, error) {
+			return []netip.Addr{netip.MustParseAddr("10.9.9.9")}, nil
+		}
+	})
+	a.stageOK(t, "name", 2, 2)
+	_, port, _ := strings.Cut(recv.SessionID(), ":")
+	r := a.send(t, sendReq{id: "name", host: "10.1.1.1", port: 1, session: "localhost:" + port, addr: base(t, recv), count: 1})
+	expectErr(t, r, http.StatusForbidden, "name", "transfer.allow_networks", "nothing was sent")
+	zeros(t, recv, base(t, recv), 1<<20)
+	if st := recv.Stats(); st.DataConns != 0 || st.Writes != 0 {
+		t.Fatalf("receiver saw %+v", st)
+	}
+}
+
+func TestSendTransferFailure(t *testing.T) {
+	recv := startReceiver(t)
+	session, b := recv.SessionID(), base(t, recv)
+	if err := recv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a := startAgent(t, nil, nil, nil)
+	a.stageOK(t, "gone", 4, 4)
+	r := a.send(t, sendReq{id: "gone", port: 1, session: session, addr: b, count: 2})
+	expectErr(t, r, http.StatusInternalServerError, "gone",
+		fmt.Sprintf("Mooncake transfer_sync failed for gone (session=%s, nbytes=32, ret=-1): ", session))
+	if v := testutil.ToFloat64(a.metrics.transfers.WithLabelValues(resultFailed)); v != 1 {
+		t.Errorf("transfers{failed} = %v", v)
+	}
+	expectErr(t, a.send(t, sendReq{id: "gone", port: 2, session: session, addr: b, count: 2}),
+		http.StatusInternalServerError, "gone", "already released")
+}
+
+func TestSendErrorReleasesForSiblings(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, nil, nil, nil)
+	a.stageOK(t, "sib", 4, 4)
+	b := base(t, recv)
+	expect(t, a.send(t, sendReq{id: "sib", port: 1, session: recv.SessionID(), addr: b, count: 3}), http.StatusOK, "null")
+	expectErr(t, a.send(t, sendReq{id: "sib", port: 2, session: recv.SessionID(), addr: b + 1<<30, count: 3}),
+		http.StatusBadRequest, "sib")
+	expectErr(t, a.send(t, sendReq{id: "sib", port: 3, session: recv.SessionID(), addr: b + 64, count: 3}),
+		http.StatusInternalServerError, "sib", "no staged embedding for req_id=sib (already released)")
+	zeros(t, recv, b+64, 64)
+}
+
+func TestSendConcurrentRanks(t *testing.T) {
+	recv := startReceiver(t)
+	a := startAgent(t, nil, nil, nil)
+	data := a.stageOK(t, "many", 64, 64) // 8KiB
+	b := base(t, recv)
+	const ranks = 8
+	var wg sync.WaitGroup
+	replies := make([]reply, ranks)
+	for i := range ranks {
+		wg.Go(func() {
+			replies[i] = a.send(t, sendReq{id: "many", port: 100 + i, session: recv.SessionID(), addr: b + uint64(i*len(data)), count: ranks})
+		})
+	}
+	wg.Wait()
+	for i, r := range replies {
+		expect(t, r, http.StatusOK, "null")
+		got, _ := recv.Bytes(b+uint64(i*len(data)), len(data))
+		if !bytes.Equal(got, data) {
+			t.Fatalf("rank %d bytes differ", i)
+		}
+	}
+	if held, n := a.store.usage(); held != 0 || n != 0 {
+		t.Fatalf("held %d bytes in %d entries", held, n)
+	}
+}
+
+func TestSendNotifiesAfterTheTransfer(t *testing.T) {
+	recv := startReceiver(t)
+	var mu sync.Mutex
+	var got []Completion
+	fail := false
+	hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var c Completion
+		body, _ := io.ReadAll(r.Body)
+		if err := json.Unmarshal(body, &c); err != nil {
+			t.Errorf("notice %s: %v", body, err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		got = append(got, c)
+		if fail {
+			w.WriteHeader(http.StatusBadGateway)
+		}
+	}))
+	defer hook.Close()
+	a := startAgent(t, func(c *Config) { c.Notify.HTTPURL = hook.URL + "/done" }, nil, nil)
+	a.stageOK(t, "note", 3, 5)
+	b := base(t, recv)
+	expect(t, a.send(t, sendReq{id: "note", port: 4242, session: recv.SessionID(), addr: b, count: 2}), http.StatusOK, "null")
+	mu.Lock()
+	if len(got) != 1 {
+		t.Fatalf("notices: %+v", got)
+	}
+	c := got[0]
+	if c.ReqID != "note" || c.PartIdx == nil || *c.PartIdx != 0 || c.PrefillHost != "127.0.0.1" || c.EmbeddingPort != 4242 ||
+		c.EmbeddingSize != 30 || c.EmbeddingLen != 3 || c.EmbeddingDim != 5 || c.Dtype != "bfloat16" ||
+		c.SessionID != recv.SessionID() || c.BufferAddress != b {
+		t.Fatalf("notice %+v", c)
+	}
+	fail = true
+	mu.Unlock()
+
+	r := a.send(t, sendReq{id: "note", port: 4243, session: recv.SessionID(), addr: b + 64, count: 2})
+	expectErr(t, r, http.StatusInternalServerError, "note", "completion notice failed", hook.URL+"/done", "status 502")
+	if st := a.staged(t); len(st) != 0 {
+		t.Fatalf("not released after a failed notice: %+v", st)
+	}
+}
+
+func TestParseSend(t *testing.T) {
+	ok := `{"req_id":"r","part_idx":3,"prefill_host":"10.0.0.1","embedding_port":5000,"session_id":"10.0.0.1:17000","buffer_address":18446744073709551615,"receive_count":2}`
+	r, err := parseSend([]byte(ok))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.BufferAddress != 1<<64-1 || r.ReceiveCount != 2 || *r.PartIdx != 3 || r.dest() != "10.0.0.1:5000" {
+		t.Fatalf("parsed %+v", r)
+	}
+	r, err = parseSend([]byte(`{"req_id":"r","part_idx":null,"prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":140737488355328,"receive_count":null}`))
+	if err != nil || r.PartIdx != nil || r.ReceiveCount != 0 || r.BufferAddress != 140737488355328 {
+		t.Fatalf("parsed %+v, %v", r, err)
+	}
+	for _, tc := range []struct{ body, want, id string }{
+		{`nope`, "not a JSON object", ""},
+		{`{}`, "missing or invalid req_id", ""},
+		{`{"req_id":""}`, "missing or invalid req_id", ""},
+		{`{"req_id":"r"}`, "prefill_host", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":"1"}`, "embedding_port", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":70000}`, "embedding_port", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":5}`, "session_id", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":-1}`, "buffer_address", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1.5e14}`, "buffer_address", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":18446744073709551616}`, "buffer_address", "r"},
+		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1,"receive_count":-2}`, "receive_count", "r"},
+		{`{"req_id":"r","part_idx":"0","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1}`, "part_idx", "r"},
+	} {
+		r, err := parseSend([]byte(tc.body))
+		if err == nil || !strings.Contains(err.Error(), tc.want) || r.ReqID != tc.id {
+			t.Errorf("parseSend(%s) = %+v, %v; want %q", tc.body, r, err, tc.want)
+		}
+	}
+}

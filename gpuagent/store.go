@@ -1,0 +1,296 @@
+package gpuagent
+
+import (
+	"cmp"
+	"errors"
+	"slices"
+	"sync"
+	"time"
+)
+
+// entry is one staged req_id: an embedding, or a failed encode's message.
+type entry struct {
+	id     string
+	tokens int64
+	dim    int64
+	dtype  string
+	elem   int64
+	nbytes int64 // bytes held (0 for a failed encode)
+	source string
+	failed string // non-empty: the encode failed with this message
+	at     time.Time
+
+	// ready is closed once the bytes are in place (or staging failed); mem
+	// and reg are written before that and only read after it.
+	ready chan struct{}
+	mem   region
+	reg   string // regShared or regPerSend
+
+	// Guarded by store.mu.
+	aborted  bool                // staging failed: there never were bytes
+	released bool                // out of the map; freed when users reaches 0
+	users    int                 // the stager and /sends using the memory
+	dests    map[string]struct{} // distinct prefill_host:embedding_port done
+	receive  int64               // the latest receive_count seen
+
+	pinMu sync.Mutex // protects pins and pinned
+	pins  int        // sends in flight that need the per-send pin
+	// pinned says the per-send registration succeeded and must be undone.
+	pinned bool
+}
+
+// isReady reports whether staging finished (and so mem/reg may be read).
+func (e *entry) isReady() bool {
+	select {
+	case <-e.ready:
+		return true
+	default:
+		return false
+	}
+}
+
+var (
+	errExists   = errors.New("exists")
+	errCapacity = errors.New("capacity")
+)
+
+// store holds the staged entries and the bytes they take. An entry leaves
+// the map when it is released (all destinations done, a send error, the
+// TTL sweep, shutdown); its memory is freed once no /send uses it anymore.
+type store struct {
+	capacity int64
+	m        *metrics
+	unpin    func([]byte) error // undoes a shared registration before unmapping
+
+	mu      sync.Mutex        // protects entries, held, count and entries' guarded fields
+	entries map[string]*entry // by req_id, released ones removed
+	held    int64             // bytes of every entry not yet freed
+	count   int               // entries not yet freed
+}
+
+func newStore(capacity int64, m *metrics, unpin func([]byte) error) *store {
+	return &store{capacity: capacity, m: m, unpin: unpin, entries: map[string]*entry{}}
+}
+
+// reserve adds e (not ready yet) and its bytes: errExists when the req_id is
+// already staged, errCapacity when its bytes do not fit. The caller holds a
+// use of e and ends it with commit or abort.
+func (s *store) reserve(e *entry) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.entries[e.id]; ok {
+		return errExists
+	}
+	if e.nbytes > s.capacity-s.held {
+		return errCapacity
+	}
+	e.ready = make(chan struct{})
+	e.users = 1
+	e.dests = map[string]struct{}{}
+	s.entries[e.id] = e
+	s.held += e.nbytes
+	s.count++
+	s.gauges()
+	return nil
+}
+
+// commit makes e ready with its memory and ends the stager's use.
+func (s *store) commit(e *entry, mem region, reg string) {
+	e.mem, e.reg = mem, reg
+	s.mu.Lock()
+	close(e.ready)
+	s.mu.Unlock()
+	s.done(e)
+}
+
+// abort drops e, whose staging failed, and ends the stager's use.
+func (s *store) abort(e *entry) {
+	s.mu.Lock()
+	e.aborted = true
+	s.releaseLocked(e)
+	close(e.ready)
+	s.mu.Unlock()
+	s.done(e)
+}
+
+// acquire returns the entry for id with a use taken, or nil when none is
+// staged. The caller must wait for ready and end the use with done.
+func (s *store) acquire(id string) *entry {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.entries[id]
+	if e != nil {
+		e.users++
+	}
+	return e
+}
+
+// live reports whether e is still staged (not released or aborted).
+func (s *store) live(e *entry) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !e.released && !e.aborted
+}
+
+// sent records a confirmed send to dest and releases e once receive
+// distinct destinations are done (receive <= 0 leaves e to the sweep).
+func (s *store) sent(e *entry, dest string, receive int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e.dests[dest] = struct{}{}
+	if receive > 0 {
+		e.receive = receive
+		if int64(len(e.dests)) >= receive {
+			s.releaseLocked(e)
+		}
+	}
+}
+
+// releaseID releases the entry for id, if one is staged.
+func (s *store) releaseID(id string) {
+	s.mu.Lock()
+	e := s.entries[id]
+	last := false
+	if e != nil {
+		s.releaseLocked(e)
+		last = e.users == 0
+	}
+	s.mu.Unlock()
+	if last {
+		s.free(e)
+	}
+}
+
+// release takes e out of the map (its memory goes once unused).
+func (s *store) release(e *entry) {
+	s.mu.Lock()
+	s.releaseLocked(e)
+	s.mu.Unlock()
+}
+
+func (s *store) releaseLocked(e *entry) {
+	if e.released {
+		return
+	}
+	e.released = true
+	if s.entries[e.id] == e {
+		delete(s.entries, e.id)
+	}
+}
+
+// done ends one use of e and frees it when it was the last of a released e.
+func (s *store) done(e *entry) {
+	s.mu.Lock()
+	e.users--
+	last := e.released && e.users == 0
+	s.mu.Unlock()
+	if last {
+		s.free(e)
+	}
+}
+
+// free gives e's memory back. Only the last user of a released entry calls it.
+func (s *store) free(e *entry) {
+	if e.reg == regShared && e.mem.data != nil {
+		_ = s.unpin(e.mem.data)
+	}
+	_ = e.mem.free()
+	s.mu.Lock()
+	s.held -= e.nbytes
+	s.count--
+	s.gauges()
+	s.mu.Unlock()
+}
+
+// sweep releases every entry staged ttl or longer before now and returns
+// how many it released.
+func (s *store) sweep(now time.Time, ttl time.Duration) int {
+	return s.releaseWhere(func(e *entry) bool { return now.Sub(e.at) >= ttl })
+}
+
+// releaseAll releases every entry (shutdown).
+func (s *store) releaseAll() int {
+	return s.releaseWhere(func(*entry) bool { return true })
+}
+
+func (s *store) releaseWhere(match func(*entry) bool) int {
+	var unused []*entry
+	n := 0
+	s.mu.Lock()
+	for _, e := range s.entries {
+		if !match(e) {
+			continue
+		}
+		s.releaseLocked(e)
+		n++
+		if e.users == 0 {
+			unused = append(unused, e)
+		}
+	}
+	s.mu.Unlock()
+	for _, e := range unused {
+		s.free(e)
+	}
+	return n
+}
+
+func (s *store) gauges() {
+	s.m.stagedBytes.Set(float64(s.held))
+	s.m.stagedEntries.Set(float64(s.count))
+}
+
+// usage returns the bytes and entries held (for tests and the admin view).
+func (s *store) usage() (held int64, count int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.held, s.count
+}
+
+// StagedEntry is one row of GET /admin/staged.
+type StagedEntry struct {
+	ReqID string `json:"req_id"`
+	// State is staging (bytes still arriving), staged, or failed (a failed
+	// encode was recorded).
+	State        string   `json:"state"`
+	Bytes        int64    `json:"bytes"`
+	Tokens       int64    `json:"tokens"`
+	Dim          int64    `json:"dim"`
+	Dtype        string   `json:"dtype"`
+	Source       string   `json:"source"`                 // http or shm; empty for a failed encode
+	Registration string   `json:"registration,omitempty"` // shared or per_send once staged
+	Destinations []string `json:"destinations_done"`
+	ReceiveCount int64    `json:"receive_count"` // 0 until a /send gave one
+	Error        string   `json:"error,omitempty"`
+	SendsActive  int      `json:"sends_active"`
+	AgeSeconds   float64  `json:"age_seconds"`
+}
+
+// snapshot lists the staged entries by req_id.
+func (s *store) snapshot(now time.Time) []StagedEntry {
+	s.mu.Lock()
+	out := make([]StagedEntry, 0, len(s.entries))
+	for _, e := range s.entries {
+		row := StagedEntry{
+			ReqID: e.id, State: "staged", Bytes: e.nbytes, Tokens: e.tokens, Dim: e.dim, Dtype: e.dtype,
+			Source: e.source, Destinations: make([]string, 0, len(e.dests)), ReceiveCount: e.receive,
+			Error: e.failed, SendsActive: e.users, AgeSeconds: now.Sub(e.at).Seconds(),
+		}
+		switch {
+		case e.failed != "":
+			row.State = "failed"
+		case !e.isReady():
+			row.State = "staging"
+			row.SendsActive-- // the stager
+		default:
+			row.Registration = e.reg
+		}
+		for d := range e.dests {
+			row.Destinations = append(row.Destinations, d)
+		}
+		slices.Sort(row.Destinations)
+		out = append(out, row)
+	}
+	s.mu.Unlock()
+	slices.SortFunc(out, func(a, b StagedEntry) int { return cmp.Compare(a.ReqID, b.ReqID) })
+	return out
+}
