@@ -10,8 +10,6 @@ import (
 	"net"
 	"strings"
 
-	"go.uber.org/zap/zapcore"
-
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/upstream"
@@ -41,9 +39,9 @@ type Config struct {
 	// Limits bounds what a caller can make the gateway hold.
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
-	Shutdown ShutdownConfig `yaml:"shutdown"`
+	Shutdown configfile.Shutdown `yaml:"shutdown"`
 	// Log controls the zap logger.
-	Log LogConfig `yaml:"log"`
+	Log configfile.Log `yaml:"log"`
 }
 
 // LimitsConfig bounds caller input and connections.
@@ -58,18 +56,6 @@ type LimitsConfig struct {
 	IdleTimeout configfile.Duration `yaml:"idle_timeout"`
 	// MaxConns bounds concurrent client connections (default 10000).
 	MaxConns int `yaml:"max_conns"`
-}
-
-// ShutdownConfig controls draining.
-type ShutdownConfig struct {
-	// Grace is how long in-flight requests may finish after SIGTERM (default 30s).
-	Grace configfile.Duration `yaml:"grace"`
-}
-
-// LogConfig controls logging.
-type LogConfig struct {
-	// Level is debug, info, warn or error (default info).
-	Level string `yaml:"level"`
 }
 
 // DefaultConfig returns a Config with every default set and no encoders.
@@ -90,8 +76,8 @@ func DefaultConfig() Config {
 			IdleTimeout:  configfile.Duration(120e9),
 			MaxConns:     10000,
 		},
-		Shutdown: ShutdownConfig{Grace: configfile.Duration(30e9)},
-		Log:      LogConfig{Level: "info"},
+		Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)},
+		Log:      configfile.Log{Level: "info"},
 	}
 }
 
@@ -132,10 +118,8 @@ func (c Config) Validate() error {
 	if c.Limits.MaxConns < 1 {
 		p.Addf("limits.max_conns", "must be >= 1, got %d", c.Limits.MaxConns)
 	}
-	p.Positive("shutdown.grace", c.Shutdown.Grace)
-	if _, err := zapcore.ParseLevel(c.Log.Level); err != nil {
-		p.Addf("log.level", "must be debug, info, warn or error, got %q", c.Log.Level)
-	}
+	c.Shutdown.Validate(&p, "shutdown")
+	c.Log.Validate(&p, "log")
 	return p.Err()
 }
 

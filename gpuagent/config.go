@@ -15,8 +15,6 @@ import (
 	"net/url"
 	"strings"
 
-	"go.uber.org/zap/zapcore"
-
 	"github.com/encgate/encgate/internal/configfile"
 )
 
@@ -39,9 +37,9 @@ type Config struct {
 	// Notify is the completion notice sent after a confirmed transfer.
 	Notify NotifyConfig `yaml:"notify"`
 	// Log controls the zap logger.
-	Log LogConfig `yaml:"log"`
+	Log configfile.Log `yaml:"log"`
 	// Shutdown controls draining.
-	Shutdown ShutdownConfig `yaml:"shutdown"`
+	Shutdown configfile.Shutdown `yaml:"shutdown"`
 }
 
 // StagingConfig bounds staged embeddings.
@@ -91,18 +89,6 @@ type NotifyConfig struct {
 	HTTPURL string `yaml:"http_url"`
 }
 
-// LogConfig controls logging.
-type LogConfig struct {
-	// Level is debug, info, warn or error (default info).
-	Level string `yaml:"level"`
-}
-
-// ShutdownConfig controls draining.
-type ShutdownConfig struct {
-	// Grace is how long in-flight requests may finish after SIGTERM (default 30s).
-	Grace configfile.Duration `yaml:"grace"`
-}
-
 // DefaultConfig returns a Config with every default set and no receiver.
 func DefaultConfig() Config {
 	return Config{
@@ -118,8 +104,8 @@ func DefaultConfig() Config {
 			ConnectTimeout: configfile.Duration(5e9),
 			Timeout:        configfile.Duration(30e9),
 		},
-		Log:      LogConfig{Level: "info"},
-		Shutdown: ShutdownConfig{Grace: configfile.Duration(30e9)},
+		Log:      configfile.Log{Level: "info"},
+		Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)},
 	}
 }
 
@@ -157,10 +143,8 @@ func (c Config) Validate() error {
 			p.Addf("notify.http_url", "must be an http(s) URL or empty, got %q", u)
 		}
 	}
-	p.Positive("shutdown.grace", c.Shutdown.Grace)
-	if _, err := zapcore.ParseLevel(c.Log.Level); err != nil {
-		p.Addf("log.level", "must be debug, info, warn or error, got %q", c.Log.Level)
-	}
+	c.Shutdown.Validate(&p, "shutdown")
+	c.Log.Validate(&p, "log")
 	return p.Err()
 }
 

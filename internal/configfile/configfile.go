@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"go.uber.org/zap/zapcore"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -259,3 +260,25 @@ func (p *Problems) Positive(path string, d Duration) {
 
 // Err returns all problems joined, or nil.
 func (p *Problems) Err() error { return errors.Join(p.errs...) }
+
+// Log is the `log:` section every role has.
+type Log struct {
+	// Level is debug, info, warn or error (default info).
+	Level string `yaml:"level"`
+}
+
+// Validate checks the section; path is its field path.
+func (l Log) Validate(p *Problems, path string) {
+	if _, err := zapcore.ParseLevel(l.Level); err != nil || l.Level == "" {
+		p.Addf(path+".level", "must be debug, info, warn or error, got %q", l.Level)
+	}
+}
+
+// Shutdown is the `shutdown:` section every role has.
+type Shutdown struct {
+	// Grace is how long in-flight requests may finish after SIGTERM (default 30s).
+	Grace Duration `yaml:"grace"`
+}
+
+// Validate checks the section; path is its field path.
+func (s Shutdown) Validate(p *Problems, path string) { p.Positive(path+".grace", s.Grace) }
