@@ -35,6 +35,7 @@ type gatewayProc struct {
 func startGatewayProc(t *testing.T, path string) *gatewayProc {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "gateway", "--config", path)
+	cmd.SysProcAttr = dieWithTest
 	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {

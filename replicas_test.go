@@ -36,6 +36,7 @@ type replica struct {
 func startReplica(t *testing.T, config string) *replica {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "gateway", "--config", writeTemp(t, "gw.yaml", config))
+	cmd.SysProcAttr = dieWithTest
 	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {

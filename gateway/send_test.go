@@ -143,7 +143,10 @@ func TestSendIsNeverSentTwiceOnATimeout(t *testing.T) {
 
 func TestUndeliveredSendIsNotStored(t *testing.T) {
 	encs := startFakes(t, 1, nil)
-	g := startGateway(t, fakeURLs(encs), nil)
+	// The fake closes its idle connections the moment it starts refusing; a
+	// tiny idle_conn_timeout makes every reuse probed, as a connection quiet
+	// for a second is in production (uvicorn closes after 5 s).
+	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Upstream.IdleConnTimeout = 4 })
 	const id = "refused_local_part_0"
 	if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
 		t.Fatalf("encode %d", a.status)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"sync/atomic"
 	"time"
 
@@ -226,6 +227,12 @@ func (s *Server) adminMux() *http.ServeMux {
 	})
 	mux.HandleFunc("GET /admin/upstreams", s.serveUpstreams)
 	mux.HandleFunc("GET /admin/sends/{req_id}", s.serveSendRecord)
+	// Go's profiler, on the admin listener only (never the encoder-facing one).
+	mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+	mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
 	return mux
 }
 

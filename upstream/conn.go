@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"syscall"
+	"time"
 )
 
 // errStaleConn means a pooled connection turned out to be closed by the
@@ -27,13 +28,19 @@ func IsStale(err error) bool { return errors.Is(err, errStaleConn) }
 // the pool. Encoders behind uvicorn close idle keep-alive connections after
 // 5 s; writing a request into such a socket would make "was it delivered?"
 // unanswerable, and /send must never be sent twice.
+//
+// Only a connection quiet for at least quiet is probed: one that carried an
+// answer more recently is still open (uvicorn closes after 5 s idle), so the
+// probe's syscall is saved on busy connections.
 type probedConn struct {
 	net.Conn
-	raw  syscall.RawConn
-	used bool // a response was read since the last write
+	raw      syscall.RawConn
+	quiet    time.Duration
+	used     bool      // a response was read since the last write
+	lastRead time.Time // when bytes last arrived
 }
 
-func newProbedConn(c net.Conn) net.Conn {
+func newProbedConn(c net.Conn, quiet time.Duration) net.Conn {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
 		return c
@@ -42,13 +49,14 @@ func newProbedConn(c net.Conn) net.Conn {
 	if err != nil {
 		return c
 	}
-	return &probedConn{Conn: c, raw: raw}
+	return &probedConn{Conn: c, raw: raw, quiet: quiet}
 }
 
 func (c *probedConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
 	if n > 0 {
 		c.used = true
+		c.lastRead = time.Now()
 	}
 	return n, err
 }
@@ -56,8 +64,10 @@ func (c *probedConn) Read(b []byte) (int, error) {
 func (c *probedConn) Write(b []byte) (int, error) {
 	if c.used {
 		c.used = false
-		if err := c.probe(); err != nil {
-			return 0, &StaleConnError{Err: err}
+		if time.Since(c.lastRead) >= c.quiet {
+			if err := c.probe(); err != nil {
+				return 0, &StaleConnError{Err: err}
+			}
 		}
 	}
 	return c.Conn.Write(b)

@@ -51,7 +51,9 @@ func TestStalePooledConnectionIsNotWrittenTo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &Encoder{Name: "e", host: u.Host, scheme: "http", client: newClient("e", u, DefaultClient())}
+	cc := DefaultClient()
+	cc.IdleConnTimeout = 4 // ns: every reuse is probed (the server closes at once)
+	e := &Encoder{Name: "e", host: u.Host, scheme: "http", client: newClient("e", u, cc)}
 	defer e.client.CloseIdleConnections()
 	for i := 0; i < 3; i++ {
 		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
@@ -77,7 +79,7 @@ func TestProbeSeesALiveConnection(t *testing.T) {
 	a, b := net.Pipe() // no syscall.Conn: probing is skipped, not broken
 	defer a.Close()
 	defer b.Close()
-	if _, ok := newProbedConn(a).(*probedConn); ok {
+	if _, ok := newProbedConn(a, 0).(*probedConn); ok {
 		t.Fatal("wrapped a conn without a file descriptor")
 	}
 }

@@ -270,7 +270,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return newProbedConn(c), nil
+			return newProbedConn(c, cc.IdleConnTimeout.D()/4), nil
 		},
 	}
 }
