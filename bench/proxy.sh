@@ -1,0 +1,535 @@
+#!/usr/bin/env bash
+# bench/proxy.sh: the proxy comparison of issue 6.
+#
+# One sglang-like fake encoder (`encgate fake-encoder`) behind
+#   direct   nothing: wrk talks to the fake itself
+#   encgate  `encgate gateway` (this repository, built by this script)
+#   nginx    Debian's nginx as a keep-alive reverse proxy
+#   haproxy  Debian's HAProxy in mode http with connection reuse
+# driven by wrk with a small JSON POST to /scheduler_receive_url and, as a
+# second workload, to /scheduler_receive_meta_data. Targets alternate
+# (direct encgate nginx haproxy direct encgate ...) for ROUNDS rounds per
+# workload, each measured run preceded by a short warm-up. Prints a markdown
+# table per workload and writes everything to bench/results/proxy.md, with the
+# gateway's RSS (VmRSS/VmHWM from /proc/PID/status) sampled during its runs.
+#
+# Usage:  bash bench/proxy.sh        (root, or sudo for the apt-get step)
+#
+# Environment (defaults in brackets):
+#   DURATION     seconds of each measured wrk run                    [8]
+#   WARMUP       seconds of the wrk warm-up before each measured run [2]
+#   ROUNDS       rounds per workload (each round runs all 4 targets) [3]
+#   CONNS        wrk connections                                     [32]
+#   THREADS      wrk threads                                         [1]
+#   LOADGEN_CPUS cores for wrk (taskset list)               [1 on 2 cores]
+#   SERVER_CPUS  cores shared by the fake encoder and the proxy      [0 on 2 cores]
+#                (each proxy gets as many workers/threads as cores listed)
+#   PORT_BASE    first of 5 loopback ports used (fake, encgate,
+#                encgate admin, nginx, haproxy)                      [19100]
+#   RESULTS      markdown output file             [bench/results/proxy.md]
+#   KEEP_TMP     1 keeps the temporary directory (configs, logs)     [0]
+#   QUIET_WAIT   seconds to wait, before each measured run, for the
+#                machine to be quiet (< 15% of a core busy outside
+#                this benchmark); then it runs anyway                [15]
+#   REDO         times a measured run is repeated when processes
+#                outside this benchmark took > 15% of a core in it   [2]
+# Default run: 2 workloads x 3 rounds x 4 targets x (2+8)s = 240 s of load,
+# plus build and setup: about 4.5 minutes.
+#
+# Traffic goes only to 127.0.0.1. Every process the script starts is stopped
+# on exit (trap), and it checks that none of its ports is left listening.
+set -euo pipefail
+
+DURATION=${DURATION:-8}
+WARMUP=${WARMUP:-2}
+ROUNDS=${ROUNDS:-3}
+CONNS=${CONNS:-32}
+THREADS=${THREADS:-1}
+PORT_BASE=${PORT_BASE:-19100}
+KEEP_TMP=${KEEP_TMP:-0}
+QUIET_WAIT=${QUIET_WAIT:-15}
+REDO=${REDO:-2}
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+RESULTS=${RESULTS:-$ROOT/bench/results/proxy.md}
+export PATH="$PATH:/usr/local/go/bin"
+
+die() { echo "proxy.sh: FAIL: $*" >&2; exit 1; }
+trap 'echo "proxy.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
+log() { echo "== $*" >&2; }
+
+for v in DURATION WARMUP ROUNDS CONNS THREADS PORT_BASE QUIET_WAIT REDO; do
+  [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"
+done
+((DURATION >= 1 && DURATION <= 120)) || die "DURATION must be 1..120 s"
+((WARMUP <= 60)) || die "WARMUP must be 0..60 s"
+((ROUNDS >= 1 && ROUNDS <= 20)) || die "ROUNDS must be 1..20"
+((CONNS >= 1 && CONNS <= 1000)) || die "CONNS must be 1..1000"
+((THREADS >= 1 && THREADS <= CONNS)) || die "THREADS must be 1..CONNS"
+((QUIET_WAIT <= 120)) || die "QUIET_WAIT must be 0..120 s"
+((REDO <= 5)) || die "REDO must be 0..5"
+
+# ---------------------------------------------------------------- install
+need=()
+command -v wrk >/dev/null || need+=(wrk)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx)
+command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
+command -v curl >/dev/null || need+=(curl)
+command -v taskset >/dev/null || need+=(util-linux)
+if ((${#need[@]})); then
+  log "installing from Debian: ${need[*]}"
+  SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  # Keep the packages' own services from starting (they would take :80 and
+  # run a second nginx/HAProxy during the benchmark): policy-rc.d says "no"
+  # for the duration of the install, when no policy is in place already.
+  policy=/usr/sbin/policy-rc.d made_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null && $SUDO chmod +x "$policy" && made_policy=1
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  if ((made_policy)); then $SUDO rm -f "$policy"; fi
+fi
+export PATH="$PATH:/usr/sbin:/sbin"
+for c in wrk nginx haproxy curl taskset go; do command -v "$c" >/dev/null || die "$c not found"; done
+
+# ---------------------------------------------------------------- cores
+NPROC=$(nproc)
+if [ -z "${LOADGEN_CPUS:-}" ] || [ -z "${SERVER_CPUS:-}" ]; then
+  if ((NPROC >= 2)); then
+    # Half the cores (rounded down, at least 1) for wrk, the rest for the
+    # fake plus the proxy; on 2 cores: wrk on core 1, fake + proxy on core 0.
+    lg=$((NPROC / 2))
+    LOADGEN_CPUS=${LOADGEN_CPUS:-$((NPROC - lg))-$((NPROC - 1))}
+    SERVER_CPUS=${SERVER_CPUS:-0-$((NPROC - lg - 1))}
+    [ "$LOADGEN_CPUS" = "1-1" ] && LOADGEN_CPUS=1
+    [ "$SERVER_CPUS" = "0-0" ] && SERVER_CPUS=0
+  else
+    LOADGEN_CPUS=${LOADGEN_CPUS:-0}; SERVER_CPUS=${SERVER_CPUS:-0}
+  fi
+fi
+# Number of cores in a taskset list such as "0", "0-3", "0,2".
+count_cpus() {
+  local n=0 part
+  IFS=, read -ra parts <<<"$1"
+  for part in "${parts[@]}"; do
+    if [[ $part == *-* ]]; then n=$((n + ${part#*-} - ${part%-*} + 1)); else n=$((n + 1)); fi
+  done
+  echo "$n"
+}
+# Indices of a taskset list, space-separated: "0-2,5" -> "0 1 2 5".
+expand_cpus() {
+  local part out=()
+  IFS=, read -ra parts <<<"$1"
+  for part in "${parts[@]}"; do
+    if [[ $part == *-* ]]; then out+=($(seq "${part%-*}" "${part#*-}")); else out+=("$part"); fi
+  done
+  echo "${out[*]}"
+}
+WORKERS=$(count_cpus "$SERVER_CPUS")
+((WORKERS >= 1)) || die "SERVER_CPUS '$SERVER_CPUS' names no core"
+taskset -c "$SERVER_CPUS" true 2>/dev/null || die "cannot pin to SERVER_CPUS=$SERVER_CPUS"
+taskset -c "$LOADGEN_CPUS" true 2>/dev/null || die "cannot pin to LOADGEN_CPUS=$LOADGEN_CPUS"
+if ((NPROC >= 2)); then
+  PINNING="wrk (${THREADS} thread(s), ${CONNS} connections) pinned to core(s) ${LOADGEN_CPUS}; the fake encoder and the proxy under test share core(s) ${SERVER_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}); the fake runs with GOMAXPROCS=${WORKERS} too. Direct: the fake alone on core(s) ${SERVER_CPUS}."
+else
+  PINNING="one core: everything shares it (no pinning possible)"
+fi
+
+# ---------------------------------------------------------------- ports, tmp
+P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((PORT_BASE + 3)) P_HAP=$((PORT_BASE + 4))
+PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for p in "${PORTS[@]}"; do
+  listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"
+done
+
+TMP=$(mktemp -d /tmp/encgate-proxybench.XXXXXX)
+chmod 755 "$TMP"
+PIDS=()
+SAMPLER=
+cleanup() {
+  local rc=$? p
+  [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null || true
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do
+    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  for p in "${PORTS[@]}"; do
+    if listening "$p"; then echo "proxy.sh: WARNING: port $p still listening after cleanup" >&2; rc=1; fi
+  done
+  if [ "$KEEP_TMP" = 1 ] || ((rc != 0)); then echo "proxy.sh: logs and configs kept in $TMP" >&2; else rm -rf "$TMP"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+wait_port() { # port what
+  for _ in $(seq 100); do listening "$1" && return 0; sleep 0.1; done
+  die "$2 did not listen on 127.0.0.1:$1 within 10 s (logs in $TMP)"
+}
+
+# ---------------------------------------------------------------- build
+log "building encgate"
+(cd "$ROOT" && go build -o "$TMP/encgate" .) || die "go build failed"
+GW_BIN=$TMP/encgate
+
+# ---------------------------------------------------------------- configs
+cat >"$TMP/gateway.yaml" <<EOF
+# written by bench/proxy.sh
+listen: "127.0.0.1:$P_GW"
+admin_listen: "127.0.0.1:$P_ADMIN"
+encoders:
+  - name: fake
+    url: "http://127.0.0.1:$P_FAKE"
+affinity:
+  pin_ttl: 2h        # the run outlasts the default 240s; one /encode pins the req_id for all of it
+log:
+  level: warn
+EOF
+"$GW_BIN" gateway --config "$TMP/gateway.yaml" --check >/dev/null || die "gateway config invalid"
+
+mkdir -p "$TMP/nginx"
+cat >"$TMP/nginx.conf" <<EOF
+# written by bench/proxy.sh
+daemon off;
+worker_processes $WORKERS;
+pid $TMP/nginx/nginx.pid;
+error_log $TMP/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $TMP/nginx/body;
+  proxy_temp_path $TMP/nginx/proxy;
+  fastcgi_temp_path $TMP/nginx/fastcgi;
+  uwsgi_temp_path $TMP/nginx/uwsgi;
+  scgi_temp_path $TMP/nginx/scgi;
+  keepalive_requests 1000000;
+  keepalive_timeout 120s;
+  upstream fake {
+    server 127.0.0.1:$P_FAKE;
+    keepalive 128;
+    keepalive_requests 1000000;
+    keepalive_timeout 120s;
+  }
+  server {
+    listen 127.0.0.1:$P_NGINX;
+    location / {
+      proxy_pass http://fake;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+EOF
+nginx -t -c "$TMP/nginx.conf" -p "$TMP/nginx" >"$TMP/nginx/test.log" 2>&1 || { cat "$TMP/nginx/test.log" >&2; die "nginx config invalid"; }
+
+cat >"$TMP/haproxy.cfg" <<EOF
+# written by bench/proxy.sh (no log lines: no 'log' directive anywhere)
+global
+  nbthread $WORKERS
+  maxconn 4096
+defaults
+  mode http
+  option http-keep-alive
+  http-reuse always
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+  timeout http-keep-alive 120s
+frontend fe
+  bind 127.0.0.1:$P_HAP
+  default_backend be
+backend be
+  server fake 127.0.0.1:$P_FAKE maxconn 1024
+EOF
+haproxy -c -q -f "$TMP/haproxy.cfg" >"$TMP/haproxy-check.log" 2>&1 || { cat "$TMP/haproxy-check.log" >&2; die "haproxy config invalid"; }
+
+# ---------------------------------------------------------------- start
+log "starting the fake encoder, encgate, nginx and HAProxy on core(s) $SERVER_CPUS"
+GOMAXPROCS=$WORKERS taskset -c "$SERVER_CPUS" "$GW_BIN" fake-encoder --listen "127.0.0.1:$P_FAKE" \
+  --name fake --sweep-after 2h >"$TMP/fake.log" 2>&1 &
+FAKE_PID=$!
+PIDS+=("$FAKE_PID")
+wait_port "$P_FAKE" "fake encoder"
+GOMAXPROCS=$WORKERS taskset -c "$SERVER_CPUS" "$GW_BIN" gateway --config "$TMP/gateway.yaml" >"$TMP/gateway.log" 2>&1 &
+GW_PID=$!
+PIDS+=("$GW_PID")
+wait_port "$P_GW" "encgate"
+taskset -c "$SERVER_CPUS" nginx -c "$TMP/nginx.conf" -p "$TMP/nginx" >"$TMP/nginx/stdout.log" 2>&1 &
+NGINX_PID=$!
+PIDS+=("$NGINX_PID")
+wait_port "$P_NGINX" "nginx"
+taskset -c "$SERVER_CPUS" haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy.log" 2>&1 &
+HAP_PID=$!
+PIDS+=("$HAP_PID")
+wait_port "$P_HAP" "haproxy"
+
+# ---------------------------------------------------------------- state
+REQ_ID=bench-proxy-req-0
+ENCODE_BODY="{\"req_id\":\"$REQ_ID\",\"modality\":\"IMAGE\",\"mm_items\":[\"bench://image-0\"],\"num_parts\":1,\"part_idx\":0}"
+URL_BODY="{\"req_id\":\"$REQ_ID\",\"receive_url\":\"127.0.0.1:45000\",\"receive_count\":1}"
+META_BODY="{\"req_id\":\"$REQ_ID\",\"part_idx\":0}"
+
+post() { # port path body -> "status<TAB>encoder-header<TAB>body" ; one request, 5 s bound
+  curl -sS --max-time 5 -o "$TMP/post.body" -D "$TMP/post.head" -w '%{http_code}' \
+    -H 'Content-Type: application/json' --data-binary "$3" "http://127.0.0.1:$1$2" >"$TMP/post.code" 2>"$TMP/post.err" || true
+  printf '%s\t%s\t%s\n' "$(cat "$TMP/post.code")" \
+    "$(grep -i '^X-Encgate-Encoder:' "$TMP/post.head" 2>/dev/null | tr -d '\r' | cut -d' ' -f2)" "$(head -c 300 "$TMP/post.body" 2>/dev/null)"
+}
+
+# /encode goes through encgate, which pins the req_id to the fake; the fake
+# then holds the request state (and the published metadata) that every
+# target's follow-ups find. nginx and HAProxy need nothing of their own.
+r=$(post "$P_GW" /encode "$ENCODE_BODY")
+[ "${r%%$'\t'*}" = 200 ] || die "POST /encode through encgate: $r"
+declare -A PORT_OF=([direct]=$P_FAKE [encgate]=$P_GW [nginx]=$P_NGINX [haproxy]=$P_HAP)
+TARGETS=(direct encgate nginx haproxy)
+for t in "${TARGETS[@]}"; do
+  for pb in "/scheduler_receive_url|$URL_BODY" "/scheduler_receive_meta_data|$META_BODY"; do
+    r=$(post "${PORT_OF[$t]}" "${pb%%|*}" "${pb#*|}")
+    [ "${r%%$'\t'*}" = 200 ] || die "$t ${pb%%|*} answered: $r"
+    if [ "$t" = encgate ]; then
+      enc=$(cut -f2 <<<"$r"); [ "$enc" = fake ] || die "encgate ${pb%%|*}: X-Encgate-Encoder '$enc', want fake"
+    fi
+  done
+done
+log "state ready: every target answers 200 on both routes for $REQ_ID"
+
+# ---------------------------------------------------------------- wrk
+mklua() { # file path body
+  cat >"$1" <<EOF
+wrk.method = "POST"
+wrk.path = "$2"
+wrk.body = '$3'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("BENCH requests=%d duration_us=%d p50_us=%.1f p99_us=%.1f connect=%d read=%d write=%d status=%d timeout=%d\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect, e.read, e.write, e.status, e.timeout))
+end
+EOF
+}
+mklua "$TMP/url.lua" /scheduler_receive_url "$URL_BODY"
+mklua "$TMP/meta.lua" /scheduler_receive_meta_data "$META_BODY"
+declare -A LUA_OF=([url]=$TMP/url.lua [meta]=$TMP/meta.lua)
+declare -A ROUTE_OF=([url]=/scheduler_receive_url [meta]=/scheduler_receive_meta_data)
+
+# /proc/stat snapshot: "busy total" jiffies summed over the cores of a list
+cpu_snap() {
+  awk -v want=" $(expand_cpus "$1") " '$1 ~ /^cpu[0-9]+$/ { n = substr($1, 4); if (index(want, " " n " ")) {
+      t = 0; for (i = 2; i <= NF; i++) t += $i; b += t - $5 - $6; tt += t } } END { print b, tt }' /proc/stat
+}
+busy_pct() { # before after -> percent busy between two cpu_snap outputs
+  awk -v a="$1" -v b="$2" 'BEGIN { split(a, x, " "); split(b, y, " "); d = y[2] - x[2]; printf "%.0f", (d > 0) ? 100 * (y[1] - x[1]) / d : 0 }'
+}
+
+# CPU used outside this benchmark. proc_snap writes "pid jiffies" for every
+# user-space process that is not ours, counting utime+stime+cutime+cstime
+# (so a short-lived process shows up in its parent once reaped). Ours: this
+# shell and its children (the servers, wrk's subshells, the RSS sampler)
+# and nginx's workers; kernel threads (ppid 2) are left out too.
+proc_snap() {
+  # (cat, not awk over the glob: a process may exit between glob and read)
+  { cat /proc/[0-9]*/stat 2>/dev/null || true; } | awk -v me="$$" -v ng="${NGINX_PID:-0}" '{
+      line = $0; pid = $1; sub(/^.*\) /, "", line); split(line, f, " ")
+      # f[1] state, f[2] ppid, f[12..15] utime stime cutime cstime
+      if (pid != me && f[2] != me && f[2] != ng && f[2] != 2 && pid != 2)
+        print pid, f[12] + f[13] + f[14] + f[15] }' >"$1"
+}
+# foreign_jiffies before_file after_file -> CPU jiffies of others between
+# them: each process's growth (all of it for a new one), less what the
+# processes that ended had used before the first snapshot (their parent's
+# cutime takes their whole life when it reaps them).
+foreign_jiffies() {
+  awk 'NR == FNR { b[$1] = $2; next } { seen[$1] = 1; s += $2 - (($1 in b) ? b[$1] : 0) }
+       END { for (p in b) if (!(p in seen)) s -= b[p]; print (s > 0) ? s : 0 }' "$1" "$2"
+}
+# as a percentage of one core over the elapsed jiffies of two all_snap outputs
+all_snap() { awk -v n="$NPROC" '$1 == "cpu" { t = 0; for (i = 2; i <= NF; i++) t += $i; print t, n; exit }' /proc/stat; }
+foreign_pct() { # jiffies snapA snapB
+  awk -v j="$1" -v a="$2" -v b="$3" 'BEGIN { split(a, x, " "); split(b, y, " "); per_core = (y[1] - x[1]) / y[2];
+    printf "%.0f", (per_core > 0) ? 100 * j / per_core : 0 }'
+}
+# wait (up to QUIET_WAIT s) for a 0.5 s window with < 15% of a core busy
+# outside our (idle) servers; prints the last window's figure
+wait_quiet() {
+  local deadline=$((SECONDS + QUIET_WAIT)) a b f
+  while :; do
+    a=$(all_snap); proc_snap "$TMP/q0"; sleep 0.5; proc_snap "$TMP/q1"; b=$(all_snap)
+    f=$(foreign_pct "$(foreign_jiffies "$TMP/q0" "$TMP/q1")" "$a" "$b")
+    if ((f < 15 || SECONDS >= deadline)); then echo "$f"; return; fi
+  done
+}
+
+# field NAME LINE -> value of NAME=... in a BENCH line
+field() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p" <<<"$2"; }
+
+# run_wrk workload target seconds tag -> the BENCH line; dies on any error
+run_wrk() {
+  local w=$1 t=$2 secs=$3 tag=$4 out line n bad
+  out=$TMP/wrk-$w-$t-$tag.txt
+  timeout $((secs + 30)) taskset -c "$LOADGEN_CPUS" wrk -t"$THREADS" -c"$CONNS" -d"${secs}s" --timeout 5s --latency \
+    -s "${LUA_OF[$w]}" "http://127.0.0.1:${PORT_OF[$t]}${ROUTE_OF[$w]}" >"$out" 2>&1 || { cat "$out" >&2; die "wrk failed against $t ($w, $tag)"; }
+  line=$(grep '^BENCH ' "$out" || true)
+  [ -n "$line" ] || { cat "$out" >&2; die "no summary from wrk against $t ($w, $tag)"; }
+  n=$(field requests "$line")
+  bad=$(($(field connect "$line") + $(field read "$line") + $(field write "$line") + $(field status "$line") + $(field timeout "$line")))
+  if ((n == 0 || bad != 0)) || grep -qE 'Non-2xx or 3xx responses|Socket errors' "$out"; then
+    cat "$out" >&2
+    die "$t ($w, $tag): $n requests, $bad errors: a benchmark of errors is worthless"
+  fi
+  echo "$line"
+}
+
+# RSS sampler for the gateway: "kB kB" (VmRSS VmHWM) every 0.2 s into a file
+rss_now() { awk '/^VmRSS:/{r=$2} /^VmHWM:/{h=$2} END{print r, h}' "/proc/$GW_PID/status"; }
+RSS_FILE=$TMP/rss.txt
+: >"$RSS_FILE"
+RSS_START=$(rss_now)
+
+RAW=$TMP/raw.tsv # workload round target rps p50_us p99_us requests server_busy% loadgen_busy% foreign%
+REDONE=0
+CONTAMINATED=()
+: >"$RAW"
+LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
+total_runs=$((2 * ROUNDS * ${#TARGETS[@]}))
+i=0
+for w in url meta; do
+  for ((round = 1; round <= ROUNDS; round++)); do
+    for t in "${TARGETS[@]}"; do
+      i=$((i + 1))
+      if [ "$t" = encgate ]; then
+        ( for _ in $(seq $(((WARMUP + (REDO + 1) * (DURATION + QUIET_WAIT + 3) + 5) * 5))); do rss_now >>"$RSS_FILE" 2>/dev/null || exit 0; sleep 0.2; done ) &
+        SAMPLER=$!
+      fi
+      ((WARMUP > 0)) && run_wrk "$w" "$t" "$WARMUP" "warm$round" >/dev/null
+      for ((try = 0; ; try++)); do
+        quiet=$(wait_quiet)
+        s_srv=$(cpu_snap "$SERVER_CPUS"); s_lg=$(cpu_snap "$LOADGEN_CPUS"); s_all=$(all_snap); proc_snap "$TMP/p0"
+        line=$(run_wrk "$w" "$t" "$DURATION" "r$round")
+        b_srv=$(busy_pct "$s_srv" "$(cpu_snap "$SERVER_CPUS")"); b_lg=$(busy_pct "$s_lg" "$(cpu_snap "$LOADGEN_CPUS")")
+        proc_snap "$TMP/p1"; e_all=$(all_snap)
+        foreign=$(foreign_pct "$(foreign_jiffies "$TMP/p0" "$TMP/p1")" "$s_all" "$e_all")
+        if [ "${DEBUG:-0}" = 1 ]; then
+          log "debug: others' jiffies $(foreign_jiffies "$TMP/p0" "$TMP/p1"), top: $(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - (($1 in b) ? b[$1] : 0); if (d > 0) print d, $1 }' "$TMP/p0" "$TMP/p1" | sort -rn | head -3 | while read -r d p; do printf '%s jiffies pid %s (%s); ' "$d" "$p" "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-60)"; done)"
+        fi
+        ((foreign > 15 && try < REDO)) || break
+        log "$w round $round $t: processes outside the benchmark took $foreign% of a core during the run (quiet check before: $quiet%); running it again"
+        REDONE=$((REDONE + 1))
+      done
+      ((foreign > 15)) && CONTAMINATED+=("$w round $round $t: $foreign% of a core")
+      if [ "$t" = encgate ]; then
+        kill "$SAMPLER" 2>/dev/null || true; wait "$SAMPLER" 2>/dev/null || true; SAMPLER=
+        rss_now >>"$RSS_FILE"
+        RSS_END=$(rss_now)
+      fi
+      n=$(field requests "$line"); us=$(field duration_us "$line")
+      rps=$(awk -v n="$n" -v us="$us" 'BEGIN{printf "%.0f", n / (us / 1e6)}')
+      printf '%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$round" "$t" "$rps" "$(field p50_us "$line")" "$(field p99_us "$line")" "$n" "$b_srv" "$b_lg" "$foreign" >>"$RAW"
+      log "[$i/$total_runs] $w round $round $t: $rps req/s, p50 $(field p50_us "$line") us, p99 $(field p99_us "$line") us; busy: server cores $b_srv%, wrk cores $b_lg%, outside the benchmark $foreign% of a core"
+    done
+  done
+done
+LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# ---------------------------------------------------------------- report
+median() { sort -g | awk '{a[NR]=$1} END{ if (NR % 2) printf "%s", a[(NR+1)/2]; else printf "%s", (a[NR/2]+a[NR/2+1])/2 }'; }
+col() { awk -F'\t' -v w="$1" -v t="$2" -v c="$3" '$1==w && $3==t {print $c}' "$RAW"; }
+ms() { awk -v us="$1" 'BEGIN{printf "%.3f", us / 1000}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b == 0) print "n/a"; else printf "%.2f", a / b }'; }
+mark() { awk -v v="$1" -v op="$2" -v lim="$3" 'BEGIN{ ok = (op == ">=") ? v >= lim : v <= lim; print ok ? "met" : "missed" }'; }
+
+pretty_title() { [ "$1" = url ] && echo "/scheduler_receive_url" || echo "/scheduler_receive_meta_data"; }
+name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; nginx) echo "nginx";; haproxy) echo "HAProxy";; esac; }
+
+report=$TMP/report.md
+{
+  for w in url meta; do
+    declare -A RPS=() P50=() P99=()
+    for t in "${TARGETS[@]}"; do
+      RPS[$t]=$(col "$w" "$t" 4 | median); P50[$t]=$(col "$w" "$t" 5 | median); P99[$t]=$(col "$w" "$t" 6 | median)
+    done
+    echo "### POST $(pretty_title "$w")"
+    echo
+    echo "| target | req/s (median) | p50 ms (median) | p99 ms (median) | req/s per round | busy % server / wrk cores (median) | CPU outside the benchmark, % of a core (max) |"
+    echo "|---|---:|---:|---:|---|---|---:|"
+    for t in "${TARGETS[@]}"; do
+      printf '| %s | %s | %s | %s | %s | %s / %s | %s |\n' "$(name_of "$t")" "${RPS[$t]}" "$(ms "${P50[$t]}")" "$(ms "${P99[$t]}")" \
+        "$(col "$w" "$t" 4 | paste -sd' ' | sed 's/ /, /g')" "$(col "$w" "$t" 8 | median)" "$(col "$w" "$t" 9 | median)" \
+        "$(col "$w" "$t" 10 | sort -g | tail -1)"
+    done
+    echo
+    r_ng=$(ratio "${RPS[encgate]}" "${RPS[nginx]}"); r_hp=$(ratio "${RPS[encgate]}" "${RPS[haproxy]}"); r_d=$(ratio "${RPS[encgate]}" "${RPS[direct]}")
+    q_ng=$(ratio "${P99[encgate]}" "${P99[nginx]}"); q_hp=$(ratio "${P99[encgate]}" "${P99[haproxy]}")
+    echo "| ratio | value | target | |"
+    echo "|---|---:|---|---|"
+    echo "| encgate / nginx, req/s | $r_ng | ≥ 1.0 | $(mark "$r_ng" ">=" 1.0) |"
+    echo "| encgate / HAProxy, req/s | $r_hp | ≥ 1.0 | $(mark "$r_hp" ">=" 1.0) |"
+    echo "| encgate / direct, req/s | $r_d | ≥ 0.5 | $(mark "$r_d" ">=" 0.5) |"
+    echo "| encgate / nginx, p99 | $q_ng | ≤ 1.0 | $(mark "$q_ng" "<=" 1.0) |"
+    echo "| encgate / HAProxy, p99 | $q_hp | ≤ 1.0 | $(mark "$q_hp" "<=" 1.0) |"
+    echo
+    if awk -v d="${RPS[direct]}" -v a="${RPS[encgate]}" -v b="${RPS[nginx]}" -v c="${RPS[haproxy]}" 'BEGIN{exit !(d < a || d < b || d < c)}'; then
+      echo "**Sanity warning:** a proxied target beat direct on this workload; something else on the machine probably took CPU during some runs; compare the per-round figures."
+      echo
+    fi
+    unset RPS P50 P99
+  done
+} >"$report"
+
+read -r rss0 _ <<<"$RSS_START"
+rss_max=$(awk 'BEGIN{m=0} {if ($1 > m) m = $1} END{print m}' "$RSS_FILE")
+rss_hwm=$(awk '{h=$2} END{print h}' "$RSS_FILE")
+read -r rss_end _ <<<"$RSS_END"
+mib() { awk -v kb="$1" 'BEGIN{printf "%.1f MiB", kb / 1024}'; }
+rss_section="### encgate gateway RSS under this run
+
+From /proc/$GW_PID/status, sampled every 0.2 s during each encgate warm-up and measured run ($(wc -l <"$RSS_FILE") samples).
+
+| when | VmRSS |
+|---|---:|
+| after start, /encode and one call per route (before load) | $(mib "$rss0") |
+| max over the samples | $(mib "$rss_max") |
+| at the end of the last encgate run | $(mib "$rss_end") |
+| VmHWM (kernel's peak RSS of the process) at that point | $(mib "$rss_hwm") |
+"
+
+cpu_model=$(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)
+go_v=$(go version | awk '{print $3}')
+nginx_v=$(nginx -v 2>&1 | sed 's/^nginx version: nginx\///')
+hap_v=$(haproxy -v 2>&1 | head -1 | awk '{print $3}')
+wrk_v=$( (wrk -v 2>&1 || true) | head -1 | awk '{print $2}')
+git_v=$(cd "$ROOT" && git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+(cd "$ROOT" && git diff --quiet HEAD -- . ':!bench' 2>/dev/null) || git_v="$git_v (with uncommitted changes)"
+
+mkdir -p "$(dirname "$RESULTS")"
+{
+  echo "# Proxy comparison: encgate vs nginx vs HAProxy vs direct"
+  echo
+  echo "Generated by \`bash bench/proxy.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC')."
+  echo
+  echo "- machine: $NPROC cores ($cpu_model), $(awk '/^MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo) RAM, kernel $(uname -r), $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+  echo "- versions: encgate $git_v, $go_v, nginx $nginx_v, HAProxy $hap_v, wrk $wrk_v"
+  echo "- pinning: $PINNING"
+  echo "- load: wrk -t$THREADS -c$CONNS -d${DURATION}s --latency, POST of a small JSON body (Lua script); a ${WARMUP}s warm-up before each measured run; $ROUNDS rounds per workload, targets alternating direct, encgate, nginx, HAProxy in every round; medians over the rounds. 1-minute load average before/after (the benchmark itself adds about 2): $LOAD_BEFORE / $LOAD_AFTER."
+  echo "- upstream: one \`encgate fake-encoder\` (Go net/http); req_id \`$REQ_ID\`, its /encode sent once through encgate (which pins it), so both routes answer 200 at once on every target. Every measured and warm-up run had 0 socket errors and 0 non-2xx answers (the script fails otherwise)."
+  echo "- encgate: \`encgate gateway\`, log level warn, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
+  echo
+  if ((${#CONTAMINATED[@]})); then
+    echo "**Warning:** in ${#CONTAMINATED[@]} measured run(s) processes outside the benchmark still took > 15% of a core after $REDO repeat(s): $(IFS=';'; echo "${CONTAMINATED[*]}"). Treat those figures with care."
+    echo
+  fi
+  echo "Runs repeated because something outside the benchmark used the CPU during them: $REDONE."
+  echo
+  cat "$report"
+  echo "$rss_section"
+} >"$RESULTS"
+
+echo
+cat "$RESULTS"
+echo
+log "written to $RESULTS"

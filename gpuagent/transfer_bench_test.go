@@ -1,0 +1,259 @@
+package gpuagent
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/gpuagent/mooncake"
+)
+
+// The transfer benchmarks move the same embedding sizes over loopback three
+// ways, so bench/transfer.sh can put them side by side:
+//
+//   - BenchmarkAgentTransfer: the gpuagent path. One bfloat16 embedding is
+//     staged once over POST /v1/stage; every iteration is a POST /send over a
+//     keep-alive HTTP connection, which runs the agent's checks (staged,
+//     encode ok, size, allow_networks on session_id and prefill_host), writes
+//     the bytes with the Mooncake TCP initiator into a separate Mooncake
+//     receiver (v2: pooled connection, status frame), and answers 200 null.
+//     The /send carries no receive_count, so the entry is never released.
+//   - BenchmarkInitiatorWrite: mooncake.Initiator.Write alone into the same
+//     kind of receiver (no HTTP, no checks), to show what the /send costs.
+//   - BenchmarkNetConnLoop: a plain net.Conn pair. The sender writes N bytes,
+//     the receiver reads all N into one buffer and answers a 1-byte ack, which
+//     the sender waits for: one confirmed message per iteration, as a
+//     Mooncake v2 write is.
+//
+// All report throughput through b.SetBytes (MB/s = 10^6 bytes/s).
+
+var transferSizes = []struct {
+	name   string
+	tokens int // bfloat16 [tokens, 4096]
+}{
+	{"1MiB", 128},
+	{"8MiB", 1024},
+	{"64MiB", 8192},
+}
+
+const transferDim = 4096
+
+// benchPattern is n bytes that differ from their neighbours.
+func benchPattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*13) + seed
+	}
+	return b
+}
+
+// benchReceiver starts a Mooncake TCP receiver (v2) with one buffer of n bytes.
+func benchReceiver(b *testing.B, n int) *mooncake.Receiver {
+	b.Helper()
+	r, err := mooncake.NewReceiver(mooncake.ReceiverConfig{
+		HandshakeListen: "127.0.0.1:0", DataListen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1",
+		Buffers: []int{n}, ProtoVersion: 2,
+	}, zap.NewNop())
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := r.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = r.Close() })
+	return r
+}
+
+// benchPost posts body and fails unless the answer is 200 with want (when
+// want is not empty); the response body is drained so the connection stays.
+func benchPost(b *testing.B, c *http.Client, url, ctype string, body []byte, want string) {
+	resp, err := c.Post(url, ctype, bytes.NewReader(body))
+	if err != nil {
+		b.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK || (want != "" && string(got) != want) {
+		b.Fatalf("POST %s: %d %s", url, resp.StatusCode, got)
+	}
+}
+
+func BenchmarkAgentTransfer(b *testing.B) {
+	for _, sz := range transferSizes {
+		b.Run(sz.name, func(b *testing.B) {
+			n := sz.tokens * transferDim * 2
+			recv := benchReceiver(b, n)
+			cfg := DefaultConfig()
+			cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+			reg := prometheus.NewRegistry()
+			a, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := a.Start(); err != nil {
+				b.Fatal(err)
+			}
+			tr := &http.Transport{MaxIdleConnsPerHost: 4}
+			c := &http.Client{Timeout: time.Minute, Transport: tr}
+			b.Cleanup(func() {
+				tr.CloseIdleConnections()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				if err := a.Shutdown(ctx); err != nil {
+					b.Errorf("shutdown: %v", err)
+				}
+			})
+			base := "http://" + a.Addr()
+			id := fmt.Sprintf("9f1c2d3e4b5a69788796a5b4c3d2e1f0_local_part_%d", sz.tokens)
+			data := benchPattern(n, 7)
+			benchPost(b, c, fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", base, id, sz.tokens, transferDim),
+				"application/octet-stream", data, "")
+			addr := recv.Buffers()[0].Addr
+			send := []byte(fmt.Sprintf(`{"req_id":%q,"part_idx":0,"embedding_size":%d,"embedding_len":%d,"embedding_dim":%d,"prefill_host":"127.0.0.1","embedding_port":41001,"session_id":%q,"buffer_address":%d}`,
+				id, n, sz.tokens, transferDim, recv.SessionID(), addr))
+			// One untimed /send: the handshake and the pooled data connection.
+			benchPost(b, c, base+"/send", "application/json", send, "null")
+			b.SetBytes(int64(n))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				benchPost(b, c, base+"/send", "application/json", send, "null")
+			}
+			b.StopTimer()
+			got, err := recv.Bytes(addr, n)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if !bytes.Equal(got, data) {
+				b.Fatal("the receiver's buffer does not hold the staged bytes")
+			}
+			if w := recv.Stats().Writes; w != uint64(b.N)+1 {
+				b.Fatalf("receiver took %d writes, want %d", w, b.N+1)
+			}
+			// Which registration the staged region got: mlock needs CAP_IPC_LOCK
+			// or RLIMIT_MEMLOCK room; without it every /send locks and unlocks
+			// the region (0 here means the shared registration held).
+			b.ReportMetric(counterValue(reg, "encgate_agent_registrations_total", "kind", regPerSend)/float64(b.N+1), "persend-mlocks/op")
+		})
+	}
+}
+
+func BenchmarkInitiatorWrite(b *testing.B) {
+	for _, sz := range transferSizes {
+		b.Run(sz.name, func(b *testing.B) {
+			n := sz.tokens * transferDim * 2
+			recv := benchReceiver(b, n)
+			ini := mooncake.NewInitiator(mooncake.InitiatorConfig{})
+			b.Cleanup(func() { _ = ini.Close() })
+			data := benchPattern(n, 9)
+			addr := recv.Buffers()[0].Addr
+			ctx := context.Background()
+			if _, err := ini.Write(ctx, recv.SessionID(), addr, data); err != nil { // handshake, untimed
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(n))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, err := ini.Write(ctx, recv.SessionID(), addr, data); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkNetConnLoop(b *testing.B) {
+	for _, sz := range transferSizes {
+		b.Run(sz.name, func(b *testing.B) {
+			n := sz.tokens * transferDim * 2
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				b.Fatal(err)
+			}
+			served := make(chan error, 1)
+			go func() {
+				c, err := ln.Accept()
+				ln.Close()
+				if err != nil {
+					served <- err
+					return
+				}
+				defer c.Close()
+				buf := make([]byte, n)
+				ack := []byte{1}
+				for {
+					if _, err := io.ReadFull(c, buf); err != nil {
+						if err == io.EOF {
+							err = nil
+						}
+						served <- err
+						return
+					}
+					if _, err := c.Write(ack); err != nil {
+						served <- err
+						return
+					}
+				}
+			}()
+			c, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			data := benchPattern(n, 11)
+			var ack [1]byte
+			roundTrip := func() {
+				if _, err := c.Write(data); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, ack[:]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			roundTrip() // warm the connection, as the others are
+			b.SetBytes(int64(n))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				roundTrip()
+			}
+			b.StopTimer()
+			c.Close()
+			if err := <-served; err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+}
+
+// counterValue is the value of a counter with label name=value, or 0.
+func counterValue(reg *prometheus.Registry, metric, name, value string) float64 {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != metric {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == name && l.GetValue() == value {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
