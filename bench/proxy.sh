@@ -16,9 +16,9 @@
 # Usage:  bash bench/proxy.sh        (root, or sudo for the apt-get step)
 #
 # Environment (defaults in brackets):
-#   DURATION     seconds of each measured wrk run                    [8]
-#   WARMUP       seconds of the wrk warm-up before each measured run [2]
-#   ROUNDS       rounds per workload (each round runs all 4 targets) [3]
+#   DURATION     seconds of each measured wrk run                    [6]
+#   WARMUP       seconds of the wrk warm-up before each measured run [1]
+#   ROUNDS       rounds per workload (each round runs all 4 targets) [5]
 #   CONNS        wrk connections                                     [32]
 #   THREADS      wrk threads                                         [1]
 #   LOADGEN_CPUS cores for wrk (taskset list)               [1 on 2 cores]
@@ -33,16 +33,18 @@
 #                this benchmark); then it runs anyway                [15]
 #   REDO         times a measured run is repeated when processes
 #                outside this benchmark took > 15% of a core in it   [2]
-# Default run: 2 workloads x 3 rounds x 4 targets x (2+8)s = 240 s of load,
-# plus build and setup: about 4.5 minutes.
+# Default run: 2 workloads x 5 rounds x 4 targets x (1+6)s = 280 s of load,
+# plus a 0.5 s quiet check per run, build and setup: about 5.5 minutes on a
+# quiet machine (longer when runs are repeated, see QUIET_WAIT and REDO).
+# Five rounds rather than three: on a shared VM single rounds stray by 30%.
 #
 # Traffic goes only to 127.0.0.1. Every process the script starts is stopped
 # on exit (trap), and it checks that none of its ports is left listening.
 set -euo pipefail
 
-DURATION=${DURATION:-8}
-WARMUP=${WARMUP:-2}
-ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-6}
+WARMUP=${WARMUP:-1}
+ROUNDS=${ROUNDS:-5}
 CONNS=${CONNS:-32}
 THREADS=${THREADS:-1}
 PORT_BASE=${PORT_BASE:-19100}
@@ -131,7 +133,7 @@ WORKERS=$(count_cpus "$SERVER_CPUS")
 taskset -c "$SERVER_CPUS" true 2>/dev/null || die "cannot pin to SERVER_CPUS=$SERVER_CPUS"
 taskset -c "$LOADGEN_CPUS" true 2>/dev/null || die "cannot pin to LOADGEN_CPUS=$LOADGEN_CPUS"
 if ((NPROC >= 2)); then
-  PINNING="wrk (${THREADS} thread(s), ${CONNS} connections) pinned to core(s) ${LOADGEN_CPUS}; the fake encoder and the proxy under test share core(s) ${SERVER_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}); the fake runs with GOMAXPROCS=${WORKERS} too. Direct: the fake alone on core(s) ${SERVER_CPUS}."
+  PINNING="wrk (${THREADS} thread(s), ${CONNS} connections) pinned to core(s) ${LOADGEN_CPUS}; the fake encoder and the proxy under test share core(s) ${SERVER_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}); the fake runs with GOMAXPROCS=${WORKERS} too. Direct: the fake alone on core(s) ${SERVER_CPUS}. Why: wrk gets a core of its own so the load generator never competes with what it measures, and everything behind wrk (fake + proxy) gets the same fixed budget for every target, so a proxy's cost shows up as throughput taken from the fake on the shared core."
 else
   PINNING="one core: everything shares it (no pinning possible)"
 fi
@@ -443,6 +445,13 @@ ms() { awk -v us="$1" 'BEGIN{printf "%.3f", us / 1000}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b == 0) print "n/a"; else printf "%.2f", a / b }'; }
 mark() { awk -v v="$1" -v op="$2" -v lim="$3" 'BEGIN{ ok = (op == ">=") ? v >= lim : v <= lim; print ok ? "met" : "missed" }'; }
 
+# round_ratios workload other column -> "median (min-max)" of encgate/other per round
+round_ratios() {
+  awk -F'\t' -v w="$1" -v o="$2" -v c="$3" '$1 == w && $3 == "encgate" { e[$2] = $c } $1 == w && $3 == o { x[$2] = $c }
+    END { for (r in e) if ((r in x) && x[r] > 0) printf "%.3f\n", e[r] / x[r] }' "$RAW" | sort -g |
+    awk '{ a[NR] = $1 } END { if (NR == 0) { print "n/a"; exit }
+      m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.2f (%.2f-%.2f)", m, a[1], a[NR] }'
+}
 pretty_title() { [ "$1" = url ] && echo "/scheduler_receive_url" || echo "/scheduler_receive_meta_data"; }
 name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; nginx) echo "nginx";; haproxy) echo "HAProxy";; esac; }
 
@@ -465,13 +474,15 @@ report=$TMP/report.md
     echo
     r_ng=$(ratio "${RPS[encgate]}" "${RPS[nginx]}"); r_hp=$(ratio "${RPS[encgate]}" "${RPS[haproxy]}"); r_d=$(ratio "${RPS[encgate]}" "${RPS[direct]}")
     q_ng=$(ratio "${P99[encgate]}" "${P99[nginx]}"); q_hp=$(ratio "${P99[encgate]}" "${P99[haproxy]}")
-    echo "| ratio | value | target | |"
-    echo "|---|---:|---|---|"
-    echo "| encgate / nginx, req/s | $r_ng | ≥ 1.0 | $(mark "$r_ng" ">=" 1.0) |"
-    echo "| encgate / HAProxy, req/s | $r_hp | ≥ 1.0 | $(mark "$r_hp" ">=" 1.0) |"
-    echo "| encgate / direct, req/s | $r_d | ≥ 0.5 | $(mark "$r_d" ">=" 0.5) |"
-    echo "| encgate / nginx, p99 | $q_ng | ≤ 1.0 | $(mark "$q_ng" "<=" 1.0) |"
-    echo "| encgate / HAProxy, p99 | $q_hp | ≤ 1.0 | $(mark "$q_hp" "<=" 1.0) |"
+    echo "| ratio | of the medians | median of per-round ratios (range) | target | |"
+    echo "|---|---:|---:|---|---|"
+    echo "| encgate / nginx, req/s | $r_ng | $(round_ratios "$w" nginx 4) | ≥ 1.0 | $(mark "$r_ng" ">=" 1.0) |"
+    echo "| encgate / HAProxy, req/s | $r_hp | $(round_ratios "$w" haproxy 4) | ≥ 1.0 | $(mark "$r_hp" ">=" 1.0) |"
+    echo "| encgate / direct, req/s | $r_d | $(round_ratios "$w" direct 4) | ≥ 0.5 | $(mark "$r_d" ">=" 0.5) |"
+    echo "| encgate / nginx, p99 | $q_ng | $(round_ratios "$w" nginx 6) | ≤ 1.0 | $(mark "$q_ng" "<=" 1.0) |"
+    echo "| encgate / HAProxy, p99 | $q_hp | $(round_ratios "$w" haproxy 6) | ≤ 1.0 | $(mark "$q_hp" "<=" 1.0) |"
+    echo
+    echo "Per-round ratios compare runs seconds apart, so they hold up better than the ratio of medians when the whole machine speeds up or slows down between rounds; met/missed is judged on the ratio of the medians."
     echo
     if awk -v d="${RPS[direct]}" -v a="${RPS[encgate]}" -v b="${RPS[nginx]}" -v c="${RPS[haproxy]}" 'BEGIN{exit !(d < a || d < b || d < c)}'; then
       echo "**Sanity warning:** a proxied target beat direct on this workload; something else on the machine probably took CPU during some runs; compare the per-round figures."
@@ -523,7 +534,11 @@ mkdir -p "$(dirname "$RESULTS")"
     echo "**Warning:** in ${#CONTAMINATED[@]} measured run(s) processes outside the benchmark still took > 15% of a core after $REDO repeat(s): $(IFS=';'; echo "${CONTAMINATED[*]}"). Treat those figures with care."
     echo
   fi
+  echo "Log lines written during the run (encgate at warn and above, nginx error log at warn, HAProxy stderr): encgate $(wc -l <"$TMP/gateway.log"), nginx $(cat "$TMP/nginx/error.log" 2>/dev/null | wc -l), HAProxy $(grep -vc NOTICE "$TMP/haproxy.log" || true)."
+  echo
   echo "Runs repeated because something outside the benchmark used the CPU during them: $REDONE."
+  echo
+  echo "Busy %: share of the server and wrk cores busy during each measured run (median over rounds); server cores near 100% with wrk's below means the target, not wrk, was the limit. CPU outside the benchmark: other processes' CPU during the run (from /proc/*/stat), max over rounds."
   echo
   cat "$report"
   echo "$rss_section"
