@@ -417,7 +417,7 @@ for w in url meta; do
         proc_snap "$TMP/p1"; e_all=$(all_snap)
         foreign=$(foreign_pct "$(foreign_jiffies "$TMP/p0" "$TMP/p1")" "$s_all" "$e_all")
         if [ "${DEBUG:-0}" = 1 ]; then
-          log "debug: others' jiffies $(foreign_jiffies "$TMP/p0" "$TMP/p1"), top: $(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - (($1 in b) ? b[$1] : 0); if (d > 0) print d, $1 }' "$TMP/p0" "$TMP/p1" | sort -rn | head -3 | while read -r d p; do printf '%s jiffies pid %s (%s); ' "$d" "$p" "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-60)"; done)"
+          log "debug: others' jiffies $(foreign_jiffies "$TMP/p0" "$TMP/p1"), top: $(awk 'NR == FNR { b[$1] = $2; next } { d = $2 - (($1 in b) ? b[$1] : 0); if (d > 0) print d, $1 }' "$TMP/p0" "$TMP/p1" | sort -rn | awk 'NR <= 3' | while read -r d p; do printf '%s jiffies pid %s (%s); ' "$d" "$p" "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-60)"; done)"
         fi
         ((foreign > 15 && try < REDO)) || break
         log "$w round $round $t: processes outside the benchmark took $foreign% of a core during the run (quiet check before: $quiet%); running it again"
@@ -506,14 +506,15 @@ From /proc/$GW_PID/status, sampled every 0.2 s during each encgate warm-up and m
 | after start, /encode and one call per route (before load) | $(mib "$rss0") |
 | max over the samples | $(mib "$rss_max") |
 | at the end of the last encgate run | $(mib "$rss_end") |
-| VmHWM (kernel's peak RSS of the process) at that point | $(mib "$rss_hwm") |
+| VmHWM at that point (the kernel's peak; it is updated lazily, so it can read a little below the sampled max) | $(mib "$rss_hwm") |
 "
 
 cpu_model=$(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)
 go_v=$(go version | awk '{print $3}')
 nginx_v=$(nginx -v 2>&1 | sed 's/^nginx version: nginx\///')
-hap_v=$(haproxy -v 2>&1 | head -1 | awk '{print $3}')
-wrk_v=$( (wrk -v 2>&1 || true) | head -1 | awk '{print $2}')
+# (awk reads to the end: `| head -1` could SIGPIPE the writer and, with pipefail, fail the script)
+hap_v=$(haproxy -v 2>&1 | awk 'NR == 1 {print $3}')
+wrk_v=$( (wrk -v 2>&1 || true) | awk 'NR == 1 {print $2}')
 git_v=$(cd "$ROOT" && git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 (cd "$ROOT" && git diff --quiet HEAD -- . ':!bench' 2>/dev/null) || git_v="$git_v (with uncommitted changes)"
 

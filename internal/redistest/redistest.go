@@ -133,6 +133,7 @@ func (s *Server) start() error {
 		"--logfile", "",
 	)
 	cmd.Dir = s.dir
+	cmd.SysProcAttr = dieWithParent // no orphan when a test timeout panics past cleanups
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", s.bin, err)
