@@ -1,0 +1,192 @@
+package configfile
+
+import (
+	"errors"
+	"math/big"
+	"reflect"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// FuzzParseByteSize checks ParseByteSize against big-integer arithmetic on
+// the number and its unit, and that String is its inverse.
+func FuzzParseByteSize(f *testing.F) {
+	for _, s := range []string{
+		"1024", "8MiB", "64 KiB", "2GB", "1B", "0", "-1", "lots", "1.5MiB", "99999999999TiB",
+		"4611686018427387904", "4TiB", "  7 KB ", "+5", "0x10", "1e3", "MiB", "9223372036854775807",
+	} {
+		f.Add(s)
+	}
+	units := map[string]int64{"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
+	f.Fuzz(func(t *testing.T, s string) {
+		b, err := ParseByteSize(s)
+		// The reference: space, a decimal integer (strconv's optional sign),
+		// space, the longest unit the text ends with; the product at most
+		// 2^62 with a unit above 1, else at most MaxInt64; never negative.
+		num, mult, unitLen := strings.TrimSpace(s), int64(1), 0
+		for u, m := range units {
+			if strings.HasSuffix(num, u) && len(u) > unitLen {
+				mult, unitLen = m, len(u)
+			}
+		}
+		num = strings.TrimSpace(num[:len(num)-unitLen])
+		n, ok := new(big.Int).SetString(num, 10)
+		valid := ok && decimalRE.MatchString(num) && n.Sign() >= 0
+		if valid {
+			n.Mul(n, big.NewInt(mult))
+			limit := big.NewInt(1 << 62)
+			if mult == 1 {
+				limit.SetInt64(1<<63 - 1)
+			}
+			valid = n.Cmp(limit) <= 0
+		}
+		if valid != (err == nil) {
+			t.Fatalf("ParseByteSize(%q) = %d, %v; reference says valid=%v", s, b, err, valid)
+		}
+		if err != nil {
+			if !strings.Contains(err.Error(), strconv.Quote(strings.TrimSpace(s))) {
+				t.Fatalf("error %q does not quote the input", err)
+			}
+			return
+		}
+		if n.Cmp(big.NewInt(int64(b))) != 0 {
+			t.Fatalf("ParseByteSize(%q) = %d, want %s", s, b, n)
+		}
+		if b2, err := ParseByteSize(b.String()); err != nil || b2 != b {
+			t.Fatalf("ParseByteSize(%q) = %d; its String %q reads back as %d, %v", s, b, b.String(), b2, err)
+		}
+	})
+}
+
+// fuzzDoc is a config section with every kind of field the real files use.
+type fuzzDoc struct {
+	Name     string            `yaml:"name"`
+	Count    int               `yaml:"count"`
+	Ratio    float64           `yaml:"ratio"`
+	Wait     Duration          `yaml:"wait"`
+	Size     ByteSize          `yaml:"size"`
+	On       bool              `yaml:"on"`
+	Items    []fuzzItem        `yaml:"items"`
+	Sizes    []ByteSize        `yaml:"sizes"`
+	Nested   *fuzzItem         `yaml:"nested"`
+	Labels   map[string]string `yaml:"labels"`
+	Log      Log               `yaml:"log"`
+	Shutdown Shutdown          `yaml:"shutdown"`
+}
+
+type fuzzItem struct {
+	URL  string   `yaml:"url"`
+	Wait Duration `yaml:"wait"`
+}
+
+func defaultFuzzDoc() fuzzDoc {
+	return fuzzDoc{Name: "n", Count: 3, Ratio: 0.5, Wait: Duration(1e9), Size: 1 << 20, Log: Log{Level: "info"}, Shutdown: Shutdown{Grace: Duration(30e9)}}
+}
+
+var (
+	decimalRE = regexp.MustCompile(`^[+-]?[0-9]+$`)
+	// A problem from Decode names a field path and its line, or a line.
+	problemRE = regexp.MustCompile(`(?s)^(line [1-9][0-9]*: .*|[^\n]+: .* \(line [1-9][0-9]*\))$`)
+	lineNumRE = regexp.MustCompile(`line ([0-9]+)`)
+)
+
+// FuzzDecode decodes arbitrary YAML over defaults: never a panic; an error
+// is either a parse error or a *DecodeError whose every problem names a field
+// path or a line that exists; and whatever decodes without error encodes and
+// decodes back to the same value.
+func FuzzDecode(f *testing.F) {
+	for _, s := range []string{
+		"name: x\ncount: 7\nwait: 250ms\nsize: 8MiB\n",
+		"items:\n  - url: http://a\n    wait: 1s\n  - {url: b, wait: 2m}\nsizes: [1, 2KiB, 3GB]\n",
+		"wait: 5\nsize: lots\nbogus: 1\nitems: [{url: a, wat: 1}]\n",
+		"nested: {url: u}\nlabels: {a: b}\nlog: {level: debug}\nshutdown: {grace: 1s}\n",
+		"---\nname: a\n---\nname: b\n", "name: [unclosed", "", "~", "# only a comment\n",
+		"name: &a x\ncount: *a\n", "size: !!binary aGVsbG8=\n", "ratio: .nan\n", "wait: -5s\n",
+		"items:\n- url: a\n  url: b\n", "\tname: x", "name: \"\\xff\"\n",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > 4096 {
+			return // long documents add no paths and slow minimisation
+		}
+		doc := defaultFuzzDoc()
+		err := Decode(data, &doc)
+		var de *DecodeError
+		switch {
+		case errors.As(err, &de):
+			lines := strings.Count(string(data), "\n") + 1
+			for _, p := range de.Problems {
+				msg := p.Error()
+				if !problemRE.MatchString(msg) {
+					t.Fatalf("problem %q names neither a field path nor a line", msg)
+				}
+				m := lineNumRE.FindAllStringSubmatch(msg, -1)
+				if n, _ := strconv.Atoi(m[len(m)-1][1]); n < 1 || n > lines {
+					t.Fatalf("problem %q names line %d of a %d-line document", msg, n, lines)
+				}
+			}
+			return
+		case err != nil:
+			if !strings.HasPrefix(err.Error(), "parsing config: ") {
+				t.Fatalf("error %q is not a parse error", err)
+			}
+			return
+		}
+		out, err := yaml.Marshal(doc)
+		if err != nil {
+			t.Fatalf("marshal %+v: %v", doc, err)
+		}
+		back := defaultFuzzDoc()
+		if err := Decode(out, &back); err != nil {
+			t.Fatalf("re-decoding %q: %v", out, err)
+		}
+		if !reflect.DeepEqual(normalize(doc), normalize(back)) {
+			t.Fatalf("round trip of %q via %q\n got %+v\nwant %+v", data, out, back, doc)
+		}
+	})
+}
+
+// normalize returns v with every empty slice and map set to nil, and NaN
+// floats set to a sentinel, so DeepEqual compares meaning: YAML writes nil
+// and empty alike.
+func normalize[T any](v T) T {
+	rv := reflect.ValueOf(&v).Elem()
+	normalizeValue(rv)
+	return v
+}
+
+func normalizeValue(v reflect.Value) {
+	switch v.Kind() {
+	case reflect.Pointer:
+		if !v.IsNil() {
+			normalizeValue(v.Elem())
+		}
+	case reflect.Struct:
+		for i := range v.NumField() {
+			if v.Field(i).CanSet() {
+				normalizeValue(v.Field(i))
+			}
+		}
+	case reflect.Slice:
+		if v.Len() == 0 {
+			v.SetZero()
+			return
+		}
+		for i := range v.Len() {
+			normalizeValue(v.Index(i))
+		}
+	case reflect.Map:
+		if v.Len() == 0 {
+			v.SetZero()
+		}
+	case reflect.Float32, reflect.Float64:
+		if f := v.Float(); f != f {
+			v.SetFloat(-1.2345e-300)
+		}
+	}
+}
