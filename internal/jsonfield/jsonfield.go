@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"unicode/utf8"
 )
 
 // MaxDepth bounds nesting so hostile input cannot exhaust the stack.
@@ -67,21 +68,20 @@ func Lookup(data []byte, keys []string, out [][]byte) error {
 }
 
 // String decodes a raw JSON value that must be a string. ok is false for any
-// other JSON type.
+// other JSON type. As with encoding/json, each byte of invalid UTF-8 reads
+// as U+FFFD.
 func String(raw []byte) (s string, ok bool) {
 	if len(raw) < 2 || raw[0] != '"' {
 		return "", false
 	}
 	inner := raw[1 : len(raw)-1]
-	for _, c := range inner {
-		if c == '\\' {
-			if err := json.Unmarshal(raw, &s); err != nil {
-				return "", false
-			}
-			return s, true
-		}
+	if bytes.IndexByte(inner, '\\') < 0 && utf8.Valid(inner) {
+		return string(inner), true
 	}
-	return string(inner), true
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return "", false
+	}
+	return s, true
 }
 
 // Int parses a raw JSON value that must be an integer (no fraction or

@@ -1,0 +1,363 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/valyala/fasthttp"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/jsonfield"
+	"github.com/encgate/encgate/upstream"
+)
+
+// validationRE is a Validate problem: a field path of the config's own keys,
+// then the message.
+var validationRE = regexp.MustCompile(`^[a-z_]+(\[[0-9]+\])?(\.[a-z_]+(\[[0-9]+\])?)*: `)
+
+// FuzzGatewayConfig loads arbitrary files with LoadConfig: never a panic;
+// every problem names a field path or a line; the error is exactly the
+// decode problems and Validate's; and a file that loads encodes and loads
+// back to the same configuration.
+func FuzzGatewayConfig(f *testing.F) {
+	example, err := os.ReadFile(filepath.Join("..", "configs", "gateway.yaml"))
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(example)
+	for _, s := range []string{
+		"encoders: [{name: a, url: \"http://127.0.0.1:1\"}]\n",
+		"encoders:\n  - name: a\n    url: http://h:1\n    agent: http://h:7401\nretry:\n  send: {retry_on: [connect_failure, timeout]}\n",
+		"encoders: [{name: a, url: \"http://h:1\"}, {name: a, url: \"http://h:1\"}]\nlisten: x\nadmin_listen: x\n",
+		"encoders: [{name: a, url: \"http://h:1\"}]\nbreaker: {ignore: [{status: 504, body_contains: \"x\"}], failure_ratio: .nan}\n",
+		"encoders: [{name: a, url: \"http://h:1\"}]\nretry: {metadata: {jitter: 0.25, multiplier: 1e308, max_backoff: 2562047h}}\n",
+		"encoders: [{name: a, url: \"http://h:1\"}]\nidempotency: {store: redis, redis: {addr: \"h:6379\"}}\nlimits: {max_body_bytes: 1KiB}\n",
+		"upstream: {max_response_bytes: lots, timeout: 5}\nbogus: 1\n", "encoders: ~\n", "- 1\n", "{", "",
+	} {
+		f.Add([]byte(s))
+	}
+	path := filepath.Join(f.TempDir(), "gateway.yaml")
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > 16<<10 {
+			return // long files add no paths and slow minimisation
+		}
+		if err := os.WriteFile(path, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := LoadConfig(path)
+		checkConfigError(t, data, err, cfg.Validate)
+		if err != nil {
+			return
+		}
+		out, err := yaml.Marshal(cfg)
+		if err != nil {
+			t.Fatalf("marshal: %v", err)
+		}
+		if err := os.WriteFile(path, out, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		back, err := LoadConfig(path)
+		if err != nil {
+			t.Fatalf("the re-encoded configuration does not load: %v\n%s", err, out)
+		}
+		if !reflect.DeepEqual(normalize(back), normalize(cfg)) {
+			t.Fatalf("round trip differs\n got %+v\nwant %+v\nvia %s", back, cfg, out)
+		}
+	})
+}
+
+// checkConfigError checks a LoadConfig error: nil, a parse error, or the
+// decode problems (each naming a path and line, or a line) joined with
+// validate's problems (each naming a field path).
+func checkConfigError(t *testing.T, data []byte, err error, validate func() error) {
+	t.Helper()
+	if err == nil {
+		return
+	}
+	verr := validate()
+	want := verr
+	var de *configfile.DecodeError
+	switch {
+	case errors.As(err, &de):
+		lines := bytes.Count(data, []byte("\n")) + 1
+		for _, p := range de.Problems {
+			msg := p.Error()
+			var n int
+			i := strings.LastIndex(msg, "line ")
+			if i < 0 {
+				t.Fatalf("decode problem %q names no line", msg)
+			}
+			if _, serr := fmt.Sscanf(msg[i:], "line %d", &n); serr != nil || n < 1 || n > lines {
+				t.Fatalf("decode problem %q names line %d of a %d-line file", msg, n, lines)
+			}
+		}
+		want = errors.Join(de, verr)
+	case strings.HasPrefix(err.Error(), "parsing config: "):
+		// Nothing usable was decoded: a YAML syntax error, which names its
+		// line, or more than one document.
+		if !strings.Contains(err.Error(), "line ") && !strings.HasSuffix(err.Error(), "more than one YAML document") {
+			t.Fatalf("parse error %q names no line", err)
+		}
+		return
+	}
+	if want == nil || err.Error() != want.Error() {
+		t.Fatalf("error\n%v\nis not the decode problems and Validate's\n%v", err, want)
+	}
+	if verr == nil {
+		return
+	}
+	var joined interface{ Unwrap() []error }
+	if !errors.As(verr, &joined) {
+		t.Fatalf("Validate's error %T is not a list", verr)
+	}
+	for _, p := range joined.Unwrap() {
+		if !validationRE.MatchString(p.Error()) {
+			t.Fatalf("problem %q does not start with a field path", p)
+		}
+	}
+}
+
+// normalize returns v with every empty slice and map set to nil and NaN
+// floats set to a sentinel, so DeepEqual compares meaning: YAML writes nil
+// and empty alike.
+func normalize[T any](v T) T {
+	normalizeValue(reflect.ValueOf(&v).Elem())
+	return v
+}
+
+func normalizeValue(v reflect.Value) {
+	switch v.Kind() {
+	case reflect.Pointer:
+		if !v.IsNil() {
+			normalizeValue(v.Elem())
+		}
+	case reflect.Struct:
+		for i := range v.NumField() {
+			if v.Field(i).CanSet() {
+				normalizeValue(v.Field(i))
+			}
+		}
+	case reflect.Slice:
+		if v.Len() == 0 {
+			v.SetZero()
+			return
+		}
+		for i := range v.Len() {
+			normalizeValue(v.Index(i))
+		}
+	case reflect.Map:
+		if v.Len() == 0 {
+			v.SetZero()
+		}
+	case reflect.Float32, reflect.Float64:
+		if f := v.Float(); f != f {
+			v.SetFloat(-1.2345e-300)
+		}
+	}
+}
+
+// FuzzBodyFields checks the two fields the gateway reads out of bodies
+// without decoding them against encoding/json: the req_id of an error
+// envelope (reqIDOf) and the message of an encoder's error answer
+// (upstreamMessage, else the trimmed raw text); and that the envelope
+// carrying the message is valid JSON that gives it back.
+func FuzzBodyFields(f *testing.F) {
+	for _, s := range []string{
+		`{"status":"error","message":"encode metadata not ready","req_id":"r-1"}`,
+		`{"req_id":"a\u0000b","message":"x\"y\\z\u00e9"}`,
+		`{"message":null}`, `{"message":5}`, `{"req_id":""}`, ` plain text error `,
+		`{"message":"first","message":"second"}`, `{"mess\u0061ge":"escaped key"}`,
+		"{\"message\":\"caf\xc3\xa9 \xff\"}", `[{"message":"in an array"}]`, `{"message":"x"} trailing`, "",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if len(body) > 8<<10 {
+			return // long bodies add no paths and slow minimisation
+		}
+		var probe [1][]byte
+		if errors.Is(jsonfield.Lookup(body, []string{"x"}, probe[:]), jsonfield.ErrTooDeep) {
+			return // nested beyond jsonfield.MaxDepth: encoding/json allows more on purpose
+		}
+		var obj map[string]json.RawMessage
+		isObj := json.Unmarshal(body, &obj) == nil && obj != nil
+		field := func(key string) (string, bool) {
+			raw, ok := obj[key]
+			if !isObj || !ok || !bytes.HasPrefix(bytes.TrimSpace(raw), []byte(`"`)) {
+				return "", false
+			}
+			var s string
+			return s, json.Unmarshal(raw, &s) == nil
+		}
+
+		wantMsg, ok := field("message")
+		if !ok {
+			wantMsg = strings.TrimSpace(string(body))
+		}
+		msg := upstreamMessage(body)
+		if msg != wantMsg {
+			t.Fatalf("upstreamMessage(%q) = %q, encoding/json reads %q", body, msg, wantMsg)
+		}
+
+		var wantID *string
+		if id, ok := field("req_id"); ok && id != "" {
+			wantID = &id
+		}
+		if got := reqIDOf(body); (got == nil) != (wantID == nil) || got != nil && *got != *wantID {
+			t.Fatalf("reqIDOf(%q) = %v, encoding/json reads %v", body, deref(got), deref(wantID))
+		}
+		checkEnvelope(t, 500, msg, wantID)
+	})
+}
+
+func deref(s *string) any {
+	if s == nil {
+		return nil
+	}
+	return *s
+}
+
+// checkEnvelope writes an envelope and checks it: the status, JSON content,
+// the encoder's key order, and message and req_id back (invalid UTF-8 read
+// as U+FFFD per byte, as encoding/json writes it).
+func checkEnvelope(t *testing.T, status int, msg string, reqID *string) {
+	t.Helper()
+	var ctx fasthttp.RequestCtx
+	ctx.Response.SetBodyString("previous body")
+	writeEnvelope(&ctx, status, msg, reqID)
+	if ctx.Response.StatusCode() != status || string(ctx.Response.Header.ContentType()) != "application/json" {
+		t.Fatalf("envelope answered %d %q", ctx.Response.StatusCode(), ctx.Response.Header.ContentType())
+	}
+	body := ctx.Response.Body()
+	if !bytes.HasPrefix(body, []byte(`{"status":"error","message":"`)) || !json.Valid(body) {
+		t.Fatalf("envelope body %q", body)
+	}
+	var env struct {
+		Status  string  `json:"status"`
+		Message string  `json:"message"`
+		ReqID   *string `json:"req_id"`
+	}
+	if err := json.Unmarshal(body, &env); err != nil {
+		t.Fatal(err)
+	}
+	if env.Message != string([]rune(msg)) {
+		t.Fatalf("envelope message %q, want %q", env.Message, msg)
+	}
+	if (env.ReqID == nil) != (reqID == nil) || reqID != nil && *env.ReqID != string([]rune(*reqID)) {
+		t.Fatalf("envelope req_id %v, want %v", deref(env.ReqID), deref(reqID))
+	}
+	if !bytes.HasSuffix(body, []byte(`,"req_id":null}`)) && reqID == nil {
+		t.Fatalf("envelope without req_id: %q", body)
+	}
+}
+
+// fuzzTimeout is a net.Error that timed out.
+type fuzzTimeout struct{}
+
+func (fuzzTimeout) Error() string   { return "i/o timeout" }
+func (fuzzTimeout) Timeout() bool   { return true }
+func (fuzzTimeout) Temporary() bool { return true }
+
+// gatewayErr builds an error the gateway can hit from kind (wrapped kind/16
+// times).
+func gatewayErr(kind uint8, msg, name string) error {
+	var err error
+	switch kind % 16 {
+	case 0:
+		err = &requestError{msg}
+	case 1:
+		err = errRequestTooLarge
+	case 2:
+		err = upstream.ErrNoEncoder
+	case 3:
+		err = &upstream.UnknownEncoderError{Name: name}
+	case 4:
+		err = &upstream.UnusableEncoderError{Name: name, State: "down"}
+	case 5:
+		err = fasthttp.ErrNoFreeConns
+	case 6:
+		err = &upstream.DialError{Encoder: name, Err: errors.New(msg)}
+	case 7:
+		err = &upstream.DialError{Encoder: name, Err: &net.OpError{Op: "dial", Err: fuzzTimeout{}}}
+	case 8:
+		err = fasthttp.ErrTimeout
+	case 9:
+		err = context.DeadlineExceeded
+	case 10:
+		err = fasthttp.ErrBodyTooLarge
+	case 11:
+		err = io.ErrUnexpectedEOF
+	case 12:
+		err = &net.OpError{Op: "read", Err: fuzzTimeout{}}
+	case 13:
+		err = &upstream.StaleConnError{Err: io.EOF}
+	default:
+		err = errors.New(msg)
+	}
+	for range kind / 16 {
+		err = fmt.Errorf("while forwarding: %w", err)
+	}
+	return err
+}
+
+// FuzzEnvelopeClassifier checks statusFor and messageFor on errors the
+// gateway can hit, alone or joined: the status is one of the five the
+// gateway answers with, wrapping changes nothing, a caller's mistake is 400
+// with its own message, every other message is the gateway's and names the
+// encoder it talked to, and the envelope carrying it is valid.
+func FuzzEnvelopeClassifier(f *testing.F) {
+	for k := range 16 {
+		f.Add(uint8(k), uint8(255), "missing or invalid req_id", "enc-a", true)
+	}
+	f.Add(uint8(6+16), uint8(12), "connection refused", "enc-b", true)
+	f.Add(uint8(0+32), uint8(1), "encgate: request body must be a JSON object", "", false)
+	f.Add(uint8(4), uint8(6), "x", "enc \"c\"", true)
+	f.Add(uint8(15), uint8(0), "\xff\xfe", "\xc3", true)
+	f.Fuzz(func(t *testing.T, kind, kind2 uint8, msg, name string, withEnc bool) {
+		err := gatewayErr(kind, msg, name)
+		if kind2 != 255 {
+			err = errors.Join(err, gatewayErr(kind2, msg, name))
+		}
+		var enc *upstream.Encoder
+		if withEnc {
+			enc = &upstream.Encoder{Name: name, URL: "http://127.0.0.1:1"}
+		}
+		status := statusFor(err)
+		switch status {
+		case 400, 413, 502, 503, 504:
+		default:
+			t.Fatalf("statusFor(%v) = %d", err, status)
+		}
+		if s2 := statusFor(fmt.Errorf("outer: %w", err)); s2 != status {
+			t.Fatalf("wrapping %v changes its status from %d to %d", err, status, s2)
+		}
+		message := messageFor(err, enc)
+		var bad *requestError
+		switch {
+		case errors.As(err, &bad):
+			if status != 400 || message != bad.msg {
+				t.Fatalf("a caller's mistake %v answered %d %q", err, status, message)
+			}
+		case !strings.HasPrefix(message, "encgate: "):
+			t.Fatalf("messageFor(%v) = %q, not the gateway's", err, message)
+		case enc != nil && (status == 502 || status == 504) && !strings.Contains(message, enc.Name):
+			t.Fatalf("messageFor(%v) = %q does not name encoder %q", err, message, enc.Name)
+		case status == 413 && !errors.Is(err, errRequestTooLarge):
+			t.Fatalf("413 for %v", err)
+		}
+		id := name
+		checkEnvelope(t, status, message, &id)
+	})
+}
