@@ -26,10 +26,10 @@ type picker func(n int) *upstream.Encoder
 func (s *Server) attempt(c *call, pick picker, limit time.Duration) (delivered bool) {
 	rt := s.retry.Load()
 	pol := rt.Policy(c.route.label)
-	start := s.clk.Now()
-	deadline := start.Add(pol.Deadline.D())
-	if limit > 0 && start.Add(limit).Before(deadline) {
-		deadline = start.Add(limit)
+	now := s.clk.Now()
+	deadline := now.Add(pol.Deadline.D())
+	if limit > 0 && now.Add(limit).Before(deadline) {
+		deadline = now.Add(limit)
 	}
 	budget := s.budgets.Load().get(c.route.label)
 	budget.Request()
@@ -38,7 +38,10 @@ func (s *Server) attempt(c *call, pick picker, limit time.Duration) (delivered b
 	for enc := pick(1); enc != nil; {
 		n++
 		c.enc = enc
-		lastErr = s.exchange(c, min(pol.PerTryTimeout.D(), deadline.Sub(s.clk.Now())))
+		if n > 1 { // the first attempt starts now; later ones after a wait
+			now = s.clk.Now()
+		}
+		lastErr = s.exchange(c, min(pol.PerTryTimeout.D(), deadline.Sub(now)))
 		delivered = delivered || lastErr == nil || !upstream.NotDelivered(lastErr)
 		if n >= pol.MaxAttempts {
 			break

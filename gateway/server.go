@@ -21,6 +21,7 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -177,7 +178,7 @@ func (s *Server) Start() error {
 		return fmt.Errorf("admin_listen: %w", err)
 	}
 	s.ln, s.adln = ln, adln
-	go func() { s.done <- s.srv.Serve(ln) }()
+	go func() { s.done <- s.srv.Serve(tcpconn.Listener{Listener: ln}) }()
 	go func() {
 		if err := s.admin.Serve(adln); !errors.Is(err, http.ErrServerClosed) {
 			s.done <- err

@@ -37,7 +37,7 @@ type probedConn struct {
 	raw      syscall.RawConn
 	quiet    time.Duration
 	used     bool      // a response was read since the last write
-	lastRead time.Time // when bytes last arrived
+	lastRead time.Time // when the last answer's first bytes arrived
 }
 
 func newProbedConn(c net.Conn, quiet time.Duration) net.Conn {
@@ -52,15 +52,19 @@ func newProbedConn(c net.Conn, quiet time.Duration) net.Conn {
 	return &probedConn{Conn: c, raw: raw, quiet: quiet}
 }
 
+// Read notes the time of the first bytes of each answer (one clock read
+// per exchange, not per read: the clock is dear on virtual machines).
 func (c *probedConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
-	if n > 0 {
+	if n > 0 && !c.used {
 		c.used = true
 		c.lastRead = time.Now()
 	}
 	return n, err
 }
 
+// Write probes a connection that has been quiet for c.quiet before the
+// first write of a request.
 func (c *probedConn) Write(b []byte) (int, error) {
 	if c.used {
 		c.used = false

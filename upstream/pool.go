@@ -17,6 +17,8 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
+
+	"github.com/encgate/encgate/internal/tcpconn"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
@@ -130,9 +132,16 @@ func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp
 	req.Header.SetHost(host)
 	req.URI().SetScheme(scheme)
 	resp.Header.SetNoDefaultContentType(true)
+	err := c.DoTimeout(req, resp, timeout)
+	if err == nil || !IsStale(err) {
+		return err
+	}
+	// A stale connection is found before anything is written, right after
+	// it is taken from the pool: the re-sends share what is left of the
+	// timeout, counted from here (the clock is read only on this path).
 	deadline := time.Now().Add(timeout)
-	for attempt := 0; ; attempt++ {
-		err := c.DoDeadline(req, resp, deadline)
+	for attempt := 1; ; attempt++ {
+		err = c.DoDeadline(req, resp, deadline)
 		if err == nil || !IsStale(err) || attempt == maxStaleRetries {
 			return err
 		}
@@ -270,7 +279,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return newProbedConn(c, cc.IdleConnTimeout.D()/4), nil
+			return newProbedConn(tcpconn.Client(c), cc.IdleConnTimeout.D()/4), nil
 		},
 	}
 }

@@ -1,0 +1,295 @@
+// Package tcpconn provides a TCP connection tuned for a proxy's request and
+// response exchanges: reads and writes are issued as raw non-blocking
+// syscalls on the connection's own poller registration, and, on a client
+// connection, a small request is held until the caller reads the answer so
+// that it is written and then waited for without a read that could only
+// find nothing.
+//
+// Why: on a busy proxy most of a request's cost is syscalls. The standard
+// net.Conn tries every read before it parks, so each exchange pays for a
+// read that returns EAGAIN; and each syscall goes through the scheduler's
+// entersyscall/exitsyscall, which lets sysmon hand the P to another thread
+// when a loopback write spends tens of microseconds delivering to its peer.
+// The sockets are non-blocking, so neither guard buys anything here.
+//
+// A Conn behaves as the net.Conn it wraps for callers that write a message
+// and then read (HTTP/1.1 clients and servers): deadlines, Close and
+// addresses are the wrapped connection's.
+package tcpconn
+
+import (
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"unsafe"
+)
+
+// MaxHeld is the largest write a client Conn holds until the next Read;
+// larger writes go out at once.
+const MaxHeld = 16 << 10
+
+// Conn is a TCP connection with raw-syscall reads and writes. Build it with
+// Client or Server.
+type Conn struct {
+	*net.TCPConn
+	rc syscall.RawConn
+
+	hold bool   // client: hold small writes until the next Read
+	held []byte // bytes written by Write and not yet sent
+
+	// State of the read or write in progress, passed to the callbacks
+	// below (allocated once per Conn) instead of through closures, which
+	// would allocate on every call.
+	buf     []byte
+	n       int
+	err     error
+	errOp   string // the syscall that failed: "read" or "write"
+	sent    bool
+	readFn  func(fd uintptr) bool
+	sendFn  func(fd uintptr) bool
+	writeFn func(fd uintptr) bool
+}
+
+// Client wraps a dialled connection: small writes are held until the next
+// Read (see the package comment). It returns c unchanged when c is not a
+// *net.TCPConn.
+func Client(c net.Conn) net.Conn { return wrap(c, true) }
+
+// Server wraps an accepted connection: raw-syscall reads and writes, no
+// holding (a server must read what a pipelining client already sent before
+// it waits). It returns c unchanged when c is not a *net.TCPConn.
+func Server(c net.Conn) net.Conn { return wrap(c, false) }
+
+func wrap(c net.Conn, hold bool) net.Conn {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return c
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return c
+	}
+	cc := &Conn{TCPConn: tc, rc: rc, hold: hold}
+	cc.readFn = cc.read
+	cc.sendFn = cc.sendThenRead
+	cc.writeFn = cc.write
+	return cc
+}
+
+// Read reads into p. On a client with a held request, the request is sent
+// first and the answer awaited before the first read attempt: the poller
+// registration is reset before the request leaves, so an answer arriving at
+// any time after it is seen.
+func (c *Conn) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	c.buf, c.n, c.err, c.sent = p, 0, nil, false
+	fn := c.readFn
+	if len(c.held) > 0 {
+		fn = c.sendFn
+	}
+	rerr := c.rc.Read(fn)
+	n, err := c.n, c.err
+	c.buf, c.err = nil, nil
+	if len(c.held) > 0 && err == nil && rerr == nil {
+		// The held bytes did not all fit in the socket buffer: send the
+		// rest the ordinary way (honouring the write deadline), then read.
+		if werr := c.flush(); werr != nil {
+			return 0, werr
+		}
+		return c.Read(p)
+	}
+	if rerr != nil {
+		return 0, c.opError("read", rerr)
+	}
+	if err != nil {
+		if err == io.EOF {
+			return 0, io.EOF
+		}
+		return n, c.opError(c.errOp, err)
+	}
+	return n, nil
+}
+
+// read is the RawConn callback of a plain read; false means wait.
+func (c *Conn) read(fd uintptr) bool {
+	for {
+		n, errno := rawRead(fd, c.buf)
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+			return false
+		case errno != 0:
+			c.err, c.errOp = os.NewSyscallError("read", errno), "read"
+		case n == 0:
+			c.err = io.EOF
+		default:
+			c.n = n
+		}
+		return true
+	}
+}
+
+// sendThenRead sends the held bytes on its first call and waits for the
+// answer; later calls read. When the socket buffer cannot take all the
+// held bytes it returns true with them still held (Read finishes the send).
+func (c *Conn) sendThenRead(fd uintptr) bool {
+	if c.sent {
+		return c.read(fd)
+	}
+	c.sent = true
+	off := 0
+	for off < len(c.held) {
+		n, errno := rawWrite(fd, c.held[off:])
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+			// Keep the unsent rest at the front of the buffer.
+			c.held = c.held[:copy(c.held, c.held[off:])]
+			return true
+		case errno != 0:
+			c.err, c.errOp = os.NewSyscallError("write", errno), "write"
+			c.held = c.held[:0]
+			return true
+		}
+		off += n
+	}
+	c.held = c.held[:0] // keep the buffer for the next request
+	return false        // the request is out: wait for its answer
+}
+
+// Write sends b, or on a client holds it until the next Read when it is
+// small. A held write always reports success; a failure to send it is
+// reported by the Read that sends it.
+func (c *Conn) Write(b []byte) (int, error) {
+	if c.hold && len(c.held)+len(b) <= MaxHeld {
+		if c.held == nil {
+			c.held = make([]byte, 0, 1024)
+		}
+		c.held = append(c.held, b...)
+		return len(b), nil
+	}
+	if err := c.flush(); err != nil {
+		return 0, err
+	}
+	return c.send(b)
+}
+
+// flush sends the held bytes now.
+func (c *Conn) flush() error {
+	if len(c.held) == 0 {
+		return nil
+	}
+	_, err := c.send(c.held)
+	c.held = c.held[:0]
+	return err
+}
+
+// send writes all of b with raw syscalls, waiting for buffer space (and
+// honouring the write deadline) when the socket is full.
+func (c *Conn) send(b []byte) (int, error) {
+	c.buf, c.n, c.err = b, 0, nil
+	werr := c.rc.Write(c.writeFn)
+	n, err := c.n, c.err
+	c.buf, c.err = nil, nil
+	if werr != nil {
+		return n, c.opError("write", werr)
+	}
+	if err != nil {
+		return n, c.opError("write", err)
+	}
+	return n, nil
+}
+
+// write is the RawConn callback of send; false means wait for space.
+func (c *Conn) write(fd uintptr) bool {
+	for c.n < len(c.buf) {
+		n, errno := rawWrite(fd, c.buf[c.n:])
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+			return false
+		case errno != 0:
+			c.err = os.NewSyscallError("write", errno)
+			return true
+		}
+		c.n += n
+	}
+	return true
+}
+
+// ReadFrom sends what is held, then copies r to the connection the
+// standard way (which may use splice or sendfile).
+func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
+	if err := c.flush(); err != nil {
+		return 0, err
+	}
+	return c.TCPConn.ReadFrom(r)
+}
+
+// WriteTo sends what is held, then copies the connection to w.
+func (c *Conn) WriteTo(w io.Writer) (int64, error) {
+	if err := c.flush(); err != nil {
+		return 0, err
+	}
+	return c.TCPConn.WriteTo(w)
+}
+
+// Close sends what is held as far as the socket buffer takes it without
+// waiting, and closes the connection.
+func (c *Conn) Close() error {
+	if len(c.held) > 0 {
+		held := c.held
+		_ = c.rc.Write(func(fd uintptr) bool {
+			for len(held) > 0 {
+				n, errno := rawWrite(fd, held)
+				if errno == syscall.EINTR {
+					continue
+				}
+				if errno != 0 {
+					break
+				}
+				held = held[n:]
+			}
+			return true // never wait
+		})
+		c.held = c.held[:0]
+	}
+	return c.TCPConn.Close()
+}
+
+// opError shapes err as the net package does for a TCP connection, so
+// callers' timeout and error checks see what they would see from net.
+func (c *Conn) opError(op string, err error) error {
+	if oe, ok := err.(*net.OpError); ok {
+		err = oe.Err // RawConn wraps its own errors as "raw-read"/"raw-write"
+	}
+	return &net.OpError{Op: op, Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(), Err: err}
+}
+
+func rawRead(fd uintptr, p []byte) (int, syscall.Errno) {
+	n, _, errno := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	return int(n), errno
+}
+
+func rawWrite(fd uintptr, p []byte) (int, syscall.Errno) {
+	n, _, errno := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	return int(n), errno
+}
+
+// Listener wraps accepted TCP connections with Server.
+type Listener struct{ net.Listener }
+
+// Accept waits for the next connection and wraps it.
+func (l Listener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return Server(c), nil
+}

@@ -1,0 +1,355 @@
+package tcpconn
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// pair returns a dialled connection wrapped by wrap and the accepted raw
+// end, both closed at cleanup.
+func pair(t testing.TB, wrap func(net.Conn) net.Conn) (client net.Conn, peer net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, ok := <-accepted
+	if !ok {
+		t.Fatal("accept failed")
+	}
+	wc := wrap(c)
+	t.Cleanup(func() { wc.Close(); p.Close() })
+	return wc, p
+}
+
+// answer reads want bytes from peer and writes reply.
+func answer(t testing.TB, peer net.Conn, want int, reply string) <-chan []byte {
+	got := make(chan []byte, 1)
+	go func() {
+		buf := make([]byte, want)
+		if _, err := io.ReadFull(peer, buf); err != nil {
+			got <- nil
+			return
+		}
+		got <- buf
+		_, _ = peer.Write([]byte(reply))
+	}()
+	return got
+}
+
+func TestClientHoldsSmallWriteUntilRead(t *testing.T) {
+	c, peer := pair(t, Client)
+	if _, ok := c.(*Conn); !ok {
+		t.Fatalf("Client returned %T", c)
+	}
+	req := "POST /x HTTP/1.1\r\nHost: h\r\n\r\n"
+	if n, err := c.Write([]byte(req)); n != len(req) || err != nil {
+		t.Fatalf("Write = %d, %v", n, err)
+	}
+	// Held: nothing has reached the peer yet.
+	_ = peer.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	var one [1]byte
+	if n, err := peer.Read(one[:]); n != 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("peer read before the client's Read: %d, %v; want nothing yet", n, err)
+	}
+	_ = peer.SetReadDeadline(time.Time{})
+	got := answer(t, peer, len(req), "HTTP/1.1 200 OK\r\n\r\n")
+	buf := make([]byte, 64)
+	n, err := c.Read(buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(buf[:n]) != "HTTP/1.1 200 OK\r\n\r\n" {
+		t.Fatalf("read %q", buf[:n])
+	}
+	if g := <-got; string(g) != req {
+		t.Fatalf("peer got %q, want %q", g, req)
+	}
+}
+
+func TestClientManyExchangesKeepOrder(t *testing.T) {
+	c, peer := pair(t, Client)
+	go func() { // echo every message back
+		buf := make([]byte, 4096)
+		for {
+			n, err := peer.Read(buf)
+			if err != nil {
+				return
+			}
+			if _, err := peer.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+	}()
+	for i := range 200 {
+		msg := []byte(strings.Repeat(string(rune('a'+i%26)), 1+i*7%900))
+		// Two writes make one held message, as bufio flushes can.
+		half := len(msg) / 2
+		if _, err := c.Write(msg[:half]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Write(msg[half:]); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatalf("exchange %d: %v", i, err)
+		}
+		if !bytes.Equal(got, msg) {
+			t.Fatalf("exchange %d: got %q want %q", i, got, msg)
+		}
+	}
+}
+
+func TestLargeWriteGoesOutAtOnce(t *testing.T) {
+	c, peer := pair(t, Client)
+	big := bytes.Repeat([]byte("x"), MaxHeld+1)
+	got := make(chan []byte, 1)
+	go func() {
+		buf := make([]byte, len(big))
+		_, err := io.ReadFull(peer, buf)
+		if err != nil {
+			buf = nil
+		}
+		got <- buf
+	}()
+	if n, err := c.Write(big); n != len(big) || err != nil {
+		t.Fatalf("Write = %d, %v", n, err)
+	}
+	// No Read: the bytes must arrive anyway.
+	if g := <-got; !bytes.Equal(g, big) {
+		t.Fatalf("peer got %d bytes, want %d", len(g), len(big))
+	}
+}
+
+func TestHeldBytesLargerThanTheSocketBufferAreAllSent(t *testing.T) {
+	c, peer := pair(t, Client)
+	// A tiny send buffer and a peer that does not read yet: the held
+	// write cannot go out in one syscall.
+	if err := c.(*Conn).SetWriteBuffer(1); err != nil {
+		t.Fatal(err)
+	}
+	if err := peer.(*net.TCPConn).SetReadBuffer(1); err != nil {
+		t.Fatal(err)
+	}
+	msg := bytes.Repeat([]byte("0123456789abcdef"), MaxHeld/16)
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := answer(t, peer, len(msg), "ok")
+	buf := make([]byte, 2)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		t.Fatal(err)
+	}
+	if string(buf) != "ok" {
+		t.Fatalf("read %q", buf)
+	}
+	if g := <-got; !bytes.Equal(g, msg) {
+		t.Fatalf("peer got %d bytes in some other order or short, want %d", len(g), len(msg))
+	}
+}
+
+func TestCloseSendsHeldBytes(t *testing.T) {
+	c, peer := pair(t, Client)
+	if _, err := c.Write([]byte("bye")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(peer)
+	if err != nil || string(got) != "bye" {
+		t.Fatalf("peer read %q, %v", got, err)
+	}
+}
+
+func TestReadDeadlineIsATimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		wrap func(net.Conn) net.Conn
+		held bool
+	}{{"client with a held request", Client, true}, {"server", Server, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, _ := pair(t, tc.wrap)
+			if tc.held {
+				if _, err := c.Write([]byte("GET / HTTP/1.1\r\n\r\n")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			_ = c.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+			_, err := c.Read(make([]byte, 8))
+			var ne net.Error
+			if !errors.As(err, &ne) || !ne.Timeout() || !errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("err = %v (%T), want a net.Error timeout wrapping os.ErrDeadlineExceeded", err, err)
+			}
+			var oe *net.OpError
+			if !errors.As(err, &oe) || oe.Op != "read" {
+				t.Fatalf("err = %#v, want *net.OpError with Op read", err)
+			}
+		})
+	}
+}
+
+func TestPeerCloseIsEOF(t *testing.T) {
+	c, peer := pair(t, Server)
+	peer.Close()
+	if n, err := c.Read(make([]byte, 8)); n != 0 || err != io.EOF {
+		t.Fatalf("Read = %d, %v; want 0, io.EOF", n, err)
+	}
+}
+
+func TestWriteToAResetPeerFailsTheRead(t *testing.T) {
+	c, peer := pair(t, Client)
+	// RST instead of FIN: the client's write fails.
+	_ = peer.(*net.TCPConn).SetLinger(0)
+	peer.Close()
+	var err error
+	for range 4 { // the first write may still be accepted locally
+		if _, err = c.Write([]byte("x")); err != nil {
+			break
+		}
+		if _, err = c.Read(make([]byte, 1)); err != nil {
+			break
+		}
+	}
+	var oe *net.OpError
+	if !errors.As(err, &oe) {
+		t.Fatalf("err = %v (%T), want the reset as a *net.OpError", err, err)
+	}
+}
+
+func TestServerReadsPipelinedBytesThatArrivedEarly(t *testing.T) {
+	c, peer := pair(t, Server)
+	// Two requests arrive before the server writes its first answer.
+	if _, err := peer.Write([]byte("one;two;")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "one;" {
+		t.Fatalf("first read %q, %v", buf, err)
+	}
+	if _, err := c.Write([]byte("A1")); err != nil {
+		t.Fatal(err)
+	}
+	// The second request is already in the socket: this must not wait.
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "two;" {
+		t.Fatalf("second read %q, %v", buf, err)
+	}
+	got := make([]byte, 2)
+	if _, err := io.ReadFull(peer, got); err != nil || string(got) != "A1" {
+		t.Fatalf("peer read %q, %v", got, err)
+	}
+}
+
+func TestNonTCPConnIsReturnedUnchanged(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if Client(a) != a || Server(b) != b {
+		t.Fatal("a net.Pipe conn was wrapped")
+	}
+}
+
+func TestListenerWrapsAcceptedConns(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := Listener{raw}
+	defer ln.Close()
+	done := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			done <- nil
+			return
+		}
+		done <- c
+	}()
+	d, err := net.Dial("tcp", raw.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	c := <-done
+	if c == nil {
+		t.Fatal("accept failed")
+	}
+	defer c.Close()
+	if cc, ok := c.(*Conn); !ok || cc.hold {
+		t.Fatalf("accepted %T (hold=%v), want a server *Conn", c, ok && cc.hold)
+	}
+}
+
+// BenchmarkExchange is one small request and answer over loopback with an
+// echoing peer, through a plain *net.TCPConn and through a client Conn: the
+// ratio is what holding the write and raw syscalls save per exchange.
+func BenchmarkExchange(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		wrap func(net.Conn) net.Conn
+	}{{"net", func(c net.Conn) net.Conn { return c }}, {"tcpconn", Client}} {
+		b.Run(bc.name, func(b *testing.B) {
+			c, peer := pair(b, bc.wrap)
+			go func() {
+				buf := make([]byte, 512)
+				for {
+					n, err := peer.Read(buf)
+					if err != nil {
+						return
+					}
+					if _, err := peer.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}()
+			msg := []byte(`POST /scheduler_receive_meta_data HTTP/1.1` + "\r\n\r\n")
+			got := make([]byte, len(msg))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				if _, err := c.Write(msg); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, got); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func TestReadFromSendsHeldBytesFirst(t *testing.T) {
+	c, peer := pair(t, Client)
+	if _, err := c.Write([]byte("head;")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.(io.ReaderFrom).ReadFrom(strings.NewReader("body")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len("head;body"))
+	if _, err := io.ReadFull(peer, got); err != nil || string(got) != "head;body" {
+		t.Fatalf("peer read %q, %v", got, err)
+	}
+}
