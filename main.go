@@ -142,14 +142,16 @@ func serveUntilSignal(srv *gateway.Server, path string, cfg gateway.Config, log 
 				continue
 			}
 			log.Info("signal received, draining", zap.String("signal", sig.String()),
-				zap.Duration("grace", cfg.Shutdown.Grace.D()))
+				zap.Duration("delay", cfg.Shutdown.Delay.D()), zap.Duration("grace", cfg.Shutdown.Grace.D()))
 			draining = true
 		case err := <-srv.Done():
 			log.Error("listener stopped", zap.Error(err))
 			return 1
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Grace.D())
+	// Not ready at once; the listener closes after shutdown.delay; requests
+	// in flight then have shutdown.grace to finish.
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Delay.D()+cfg.Shutdown.Grace.D())
 	defer cancel()
 	if err := srv.Shutdown(ctx); err != nil {
 		log.Error("drain did not finish within shutdown.grace", zap.Error(err))

@@ -39,24 +39,70 @@ type Config struct {
 	// Limits bounds what a caller can make the gateway hold.
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
-	Shutdown configfile.Shutdown `yaml:"shutdown"`
+	Shutdown ShutdownConfig `yaml:"shutdown"`
+	// Admin protects the admin listener.
+	Admin AdminConfig `yaml:"admin"`
 	// Log controls the zap logger.
 	Log configfile.Log `yaml:"log"`
 }
 
-// LimitsConfig bounds caller input and connections.
+// ShutdownConfig is the gateway's shutdown section: the grace every role
+// has, plus the delay between going not-ready and closing the listener.
+type ShutdownConfig struct {
+	configfile.Shutdown `yaml:",inline"`
+	// Delay keeps the encoder-facing listener open this long after /readyz
+	// turns 503, so that load balancers polling it stop sending new
+	// connections before the gateway refuses them (default 0s). Responses
+	// in this window carry Connection: close. Grace starts after it.
+	Delay configfile.Duration `yaml:"delay"`
+}
+
+// AdminConfig protects the admin listener.
+type AdminConfig struct {
+	// Token, when set, is required as "Authorization: Bearer <token>" on
+	// /admin/... and /debug/pprof/...; /healthz, /readyz and /metrics stay
+	// open. At least 16 characters of RFC 6750's token alphabet. Default
+	// empty: no token. A reload applies a new token at once.
+	Token string `yaml:"token"`
+}
+
+// LimitsConfig bounds caller input and connections. Only
+// MaxInflightPerEncoder changes on a reload; the others need a restart.
 type LimitsConfig struct {
 	// MaxBodyBytes bounds a request body (default 8MiB); larger gets 413.
 	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes"`
-	// ReadTimeout bounds reading one whole request (default 60s).
+	// MaxHeaderBytes bounds the request line and headers together (default
+	// 64KiB); larger gets 431. It is also the size of each connection's read
+	// buffer (fasthttp's ReadBufferSize).
+	MaxHeaderBytes configfile.ByteSize `yaml:"max_header_bytes"`
+	// ReadHeaderTimeout bounds reading the request line and headers,
+	// counted from the connection's opening for its first request and from
+	// the first byte for later ones (default 10s). A client that trickles
+	// its headers is answered 408 and cut off then.
+	ReadHeaderTimeout configfile.Duration `yaml:"read_header_timeout"`
+	// ReadTimeout bounds reading the body, counted from the end of the
+	// headers (default 60s).
 	ReadTimeout configfile.Duration `yaml:"read_timeout"`
 	// WriteTimeout bounds writing one response (default 60s).
 	WriteTimeout configfile.Duration `yaml:"write_timeout"`
 	// IdleTimeout closes keep-alive connections idle this long (default 120s).
 	IdleTimeout configfile.Duration `yaml:"idle_timeout"`
-	// MaxConns bounds concurrent client connections (default 10000).
+	// MaxConns bounds open client connections (default 10000). One more is
+	// answered with a 503 envelope and closed.
 	MaxConns int `yaml:"max_conns"`
+	// MaxInflightPerEncoder bounds the exchanges in flight to one encoder,
+	// its agent's /sends included (default 1024). One more is not sent: it
+	// gets a 503 envelope at once (or, where its route's retry policy
+	// retries connect_failure, is retried: /encode on the next encoder).
+	MaxInflightPerEncoder int `yaml:"max_inflight_per_encoder"`
 }
+
+// Bounds of limits.max_header_bytes: a request line must fit, and every open
+// connection holds a read buffer this large.
+const (
+	minHeaderBytes = 1 << 10
+	maxHeaderBytes = 1 << 20
+)
 
 // DefaultConfig returns a Config with every default set and no encoders.
 func DefaultConfig() Config {
@@ -70,13 +116,16 @@ func DefaultConfig() Config {
 		Health:      upstream.DefaultHealth(),
 		Idempotency: idempotency.DefaultConfig(),
 		Limits: LimitsConfig{
-			MaxBodyBytes: 8 << 20,
-			ReadTimeout:  configfile.Duration(60e9),
-			WriteTimeout: configfile.Duration(60e9),
-			IdleTimeout:  configfile.Duration(120e9),
-			MaxConns:     10000,
+			MaxBodyBytes:          8 << 20,
+			MaxHeaderBytes:        64 << 10,
+			ReadHeaderTimeout:     configfile.Duration(10e9),
+			ReadTimeout:           configfile.Duration(60e9),
+			WriteTimeout:          configfile.Duration(60e9),
+			IdleTimeout:           configfile.Duration(120e9),
+			MaxConns:              10000,
+			MaxInflightPerEncoder: 1024,
 		},
-		Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)},
+		Shutdown: ShutdownConfig{Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)}},
 		Log:      configfile.Log{Level: "info"},
 	}
 }
@@ -112,15 +161,68 @@ func (c Config) Validate() error {
 	if c.Limits.MaxBodyBytes < 1024 {
 		p.Addf("limits.max_body_bytes", "must be >= 1KiB, got %s", c.Limits.MaxBodyBytes)
 	}
+	if h := c.Limits.MaxHeaderBytes; h < minHeaderBytes || h > maxHeaderBytes {
+		p.Addf("limits.max_header_bytes", "must be between %s and %s (every open connection holds a read buffer this large), got %s",
+			configfile.ByteSize(minHeaderBytes), configfile.ByteSize(maxHeaderBytes), h)
+	}
+	p.Positive("limits.read_header_timeout", c.Limits.ReadHeaderTimeout)
 	p.Positive("limits.read_timeout", c.Limits.ReadTimeout)
 	p.Positive("limits.write_timeout", c.Limits.WriteTimeout)
 	p.Positive("limits.idle_timeout", c.Limits.IdleTimeout)
-	if c.Limits.MaxConns < 1 {
-		p.Addf("limits.max_conns", "must be >= 1, got %d", c.Limits.MaxConns)
+	if c.Limits.MaxConns < 1 || c.Limits.MaxConns > maxConns {
+		p.Addf("limits.max_conns", "must be between 1 and %d, got %d", maxConns, c.Limits.MaxConns)
+	}
+	if c.Limits.MaxInflightPerEncoder < 1 {
+		p.Addf("limits.max_inflight_per_encoder", "must be >= 1, got %d", c.Limits.MaxInflightPerEncoder)
 	}
 	c.Shutdown.Validate(&p, "shutdown")
+	if c.Shutdown.Delay < 0 {
+		p.Addf("shutdown.delay", "must be >= 0, got %s", c.Shutdown.Delay)
+	}
+	c.Admin.Validate(&p, "admin")
 	c.Log.Validate(&p, "log")
 	return p.Err()
+}
+
+// maxConns bounds limits.max_conns (fasthttp's worker pool is sized twice it).
+const maxConns = 1 << 24
+
+// minTokenLen is the shortest admin.token accepted.
+const minTokenLen = 16
+
+// Validate checks the admin section; path is its field path. Problems never
+// quote the token.
+func (a AdminConfig) Validate(p *configfile.Problems, path string) {
+	if a.Token == "" {
+		return
+	}
+	if len(a.Token) < minTokenLen {
+		p.Addf(path+".token", "must be at least %d characters, got %d", minTokenLen, len(a.Token))
+	}
+	if !isToken68(a.Token) {
+		p.Addf(path+".token", "must use only letters, digits and -._~+/ (then optional = padding), as a bearer token does (RFC 6750)")
+	}
+}
+
+// isToken68 reports whether s is an RFC 6750 b64token (RFC 7235 token68).
+func isToken68(s string) bool {
+	end := len(s)
+	for end > 0 && s[end-1] == '=' {
+		end--
+	}
+	if end == 0 {
+		return false
+	}
+	for i := 0; i < end; i++ {
+		c := s[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case c == '-', c == '.', c == '_', c == '~', c == '+', c == '/':
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 func checkAddr(p *configfile.Problems, path, addr string) {

@@ -42,6 +42,16 @@ func TestValidate(t *testing.T) {
 		{"max pins", func(c *Config) { c.Affinity.MaxPins = 0 }, []string{"affinity.max_pins: must be >= 1"}},
 		{"upstream timeout", func(c *Config) { c.Upstream.Timeout = 0 }, []string{"upstream.timeout: must be > 0"}},
 		{"body limit", func(c *Config) { c.Limits.MaxBodyBytes = 10 }, []string{"limits.max_body_bytes: must be >= 1KiB"}},
+		{"header limit", func(c *Config) { c.Limits.MaxHeaderBytes = 512 }, []string{"limits.max_header_bytes: must be between 1KiB and 1MiB"}},
+		{"header limit too big", func(c *Config) { c.Limits.MaxHeaderBytes = 2 << 20 }, []string{"limits.max_header_bytes: must be between 1KiB and 1MiB", "got 2MiB"}},
+		{"header timeout", func(c *Config) { c.Limits.ReadHeaderTimeout = 0 }, []string{"limits.read_header_timeout: must be > 0"}},
+		{"max conns", func(c *Config) { c.Limits.MaxConns = 0 }, []string{"limits.max_conns: must be between 1 and"}},
+		{"max inflight", func(c *Config) { c.Limits.MaxInflightPerEncoder = 0 }, []string{"limits.max_inflight_per_encoder: must be >= 1, got 0"}},
+		{"shutdown delay", func(c *Config) { c.Shutdown.Delay = -1 }, []string{"shutdown.delay: must be >= 0"}},
+		{"admin token", func(c *Config) { c.Admin.Token = "0123456789abcdef" }, nil},
+		{"short admin token", func(c *Config) { c.Admin.Token = "hunter2" }, []string{"admin.token: must be at least 16 characters, got 7"}},
+		{"admin token with a space", func(c *Config) { c.Admin.Token = "correct horse battery staple" },
+			[]string{"admin.token: must use only letters, digits and -._~+/"}},
 		{"log level", func(c *Config) { c.Log.Level = "loud" }, []string{`log.level: must be debug, info, warn or error, got "loud"`}},
 		{"several at once", func(c *Config) { c.Listen = ""; c.Shutdown.Grace = 0 }, []string{"listen:", "shutdown.grace: must be > 0"}},
 	}
@@ -63,6 +73,9 @@ func TestValidate(t *testing.T) {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("error %q does not contain %q", err, w)
 				}
+			}
+			if tok := c.Admin.Token; tok != "" && strings.Contains(err.Error(), tok) {
+				t.Errorf("error %q shows the admin token", err)
 			}
 		})
 	}

@@ -45,6 +45,7 @@ func statusFor(err error) int {
 	var dial *upstream.DialError
 	var unknown *upstream.UnknownEncoderError
 	var unusable *upstream.UnusableEncoderError
+	var limit *upstream.InflightLimitError
 	var bad *requestError
 	switch {
 	case errors.As(err, &bad):
@@ -52,7 +53,7 @@ func statusFor(err error) int {
 	case errors.Is(err, errRequestTooLarge):
 		return fasthttp.StatusRequestEntityTooLarge
 	case errors.Is(err, upstream.ErrNoEncoder), errors.As(err, &unknown), errors.As(err, &unusable),
-		errors.Is(err, fasthttp.ErrNoFreeConns):
+		errors.As(err, &limit), errors.Is(err, fasthttp.ErrNoFreeConns):
 		return fasthttp.StatusServiceUnavailable
 	case errors.As(err, &dial):
 		return fasthttp.StatusBadGateway
@@ -67,11 +68,15 @@ func statusFor(err error) int {
 // to enc (nil when no encoder was chosen).
 func messageFor(err error, enc *upstream.Encoder) string {
 	var bad *requestError
+	var limit *upstream.InflightLimitError
 	switch {
 	case errors.As(err, &bad):
 		return bad.msg
 	case errors.Is(err, upstream.ErrNoEncoder):
 		return "encgate: no usable encoder"
+	case errors.As(err, &limit):
+		return fmt.Sprintf("encgate: encoder %s already has %d requests in flight (limits.max_inflight_per_encoder); try again later",
+			limit.Encoder, limit.Limit)
 	case enc == nil || isUnusable(err):
 		return "encgate: " + err.Error()
 	case errors.Is(err, fasthttp.ErrNoFreeConns):

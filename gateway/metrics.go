@@ -1,10 +1,12 @@
 package gateway
 
 import (
+	"errors"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
 
 	"github.com/encgate/encgate/upstream"
 )
@@ -19,6 +21,8 @@ type metrics struct {
 	budgetExhausted *prometheus.CounterVec   // route
 	backoff         prometheus.Histogram
 	reloads         *prometheus.CounterVec // result
+
+	adminUnauthorized prometheus.Counter
 }
 
 // codeLabels avoids formatting a status code on every request.
@@ -36,7 +40,7 @@ func codeLabel(code int) string {
 	return strconv.Itoa(code)
 }
 
-func newMetrics(reg prometheus.Registerer, pool *upstream.Pool) *metrics {
+func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *connLimiter) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_requests_total",
@@ -69,7 +73,24 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool) *metrics {
 		Name: "encgate_config_reloads_total",
 		Help: "Config reloads (SIGHUP), by result: applied or refused.",
 	}, []string{"result"})
-	reg.MustRegister(m.retries, m.budgetExhausted, m.backoff, m.reloads)
+	m.adminUnauthorized = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "encgate_admin_unauthorized_total",
+		Help: "Admin requests refused with 401 for a missing or wrong bearer token (admin.token).",
+	})
+	reg.MustRegister(m.retries, m.budgetExhausted, m.backoff, m.reloads, m.adminUnauthorized,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "encgate_connections_open",
+			Help: "Open client connections on the encoder-facing listener (bounded by limits.max_conns).",
+		}, func() float64 { return float64(conns.open.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "encgate_connections_accepted_total",
+			Help: "Client connections accepted on the encoder-facing listener.",
+		}, func() float64 { return float64(conns.accepted.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "encgate_connections_rejected_total",
+			Help: "Client connections answered 503 and closed because limits.max_conns were open.",
+		}, func() float64 { return float64(conns.rejected.Load()) }),
+	)
 	for _, r := range []string{"applied", "refused"} {
 		m.reloads.WithLabelValues(r)
 	}
@@ -105,6 +126,8 @@ func (m *metrics) observeUpstream(enc *upstream.Encoder, rt *route, code int, er
 	label := codeLabel(code)
 	if err != nil {
 		switch {
+		case errors.Is(err, fasthttp.ErrNoFreeConns): // includes *upstream.InflightLimitError
+			label = "refused"
 		case isDial(err):
 			label = "dial_error"
 		case upstream.IsTimeout(err):

@@ -3,6 +3,8 @@ package upstream
 import (
 	"errors"
 	"strconv"
+
+	"github.com/valyala/fasthttp"
 )
 
 // ErrNoEncoder means no configured encoder is usable for the request.
@@ -41,3 +43,23 @@ type UnusableEncoderError struct{ Name, State string }
 func (e *UnusableEncoderError) Error() string {
 	return "upstream: encoder " + e.Name + " holding this req_id is " + e.State + "; its staged state cannot move to another encoder"
 }
+
+// InflightLimitError means the gateway's own bound on exchanges in flight to
+// one encoder (limits.max_inflight_per_encoder) was reached, so nothing was
+// sent. It is the same kind of refusal as running out of connections to the
+// encoder, and it unwraps to fasthttp.ErrNoFreeConns so that it is classified
+// alike: NotDelivered (a retry policy's connect_failure may send the request
+// again, to the next encoder for /encode), and never a breaker fault (the
+// encoder did nothing wrong). The gateway answers it with a 503 envelope.
+type InflightLimitError struct {
+	Encoder string
+	Limit   int64
+}
+
+func (e *InflightLimitError) Error() string {
+	return "upstream: encoder " + e.Encoder + " already has " + strconv.FormatInt(e.Limit, 10) +
+		" requests in flight (limits.max_inflight_per_encoder)"
+}
+
+// Unwrap returns fasthttp.ErrNoFreeConns: see the type's comment.
+func (e *InflightLimitError) Unwrap() error { return fasthttp.ErrNoFreeConns }

@@ -8,7 +8,15 @@ type poolMetrics struct {
 	state       *prometheus.GaugeVec   // encoder
 	transitions *prometheus.CounterVec // encoder, from, to
 	healthy     *prometheus.GaugeVec   // encoder
+	refused     *prometheus.CounterVec // encoder, reason
 }
+
+// Reasons for encgate_upstream_refused_total: the gateway's own limits that
+// refuse an exchange before anything is sent.
+const (
+	RefusedMaxInflight = "max_inflight" // limits.max_inflight_per_encoder
+	RefusedMaxConns    = "max_conns"    // upstream.max_conns_per_encoder
+)
 
 func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 	m := &poolMetrics{
@@ -24,8 +32,12 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Name: "encgate_upstream_healthy",
 			Help: "Active health per encoder: 1 up, 0 down.",
 		}, []string{"encoder"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_upstream_refused_total",
+			Help: "Exchanges the gateway refused before sending anything, by encoder and reason: max_inflight (limits.max_inflight_per_encoder) or max_conns (upstream.max_conns_per_encoder).",
+		}, []string{"encoder", "reason"}),
 	}
-	reg.MustRegister(m.state, m.transitions, m.healthy)
+	reg.MustRegister(m.state, m.transitions, m.healthy, m.refused)
 	return m
 }
 
@@ -38,9 +50,15 @@ func (m *poolMetrics) track(e *Encoder) {
 	m.healthy.WithLabelValues(e.Name).Set(up)
 }
 
+// refusals returns name's refusal counters (creating both series).
+func (m *poolMetrics) refusals(name string) (inflight, conns prometheus.Counter) {
+	return m.refused.WithLabelValues(name, RefusedMaxInflight), m.refused.WithLabelValues(name, RefusedMaxConns)
+}
+
 func (m *poolMetrics) forget(name string) {
 	m.state.DeleteLabelValues(name)
 	m.healthy.DeleteLabelValues(name)
+	m.refused.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.transitions.DeletePartialMatch(prometheus.Labels{"encoder": name})
 }
 

@@ -17,8 +17,6 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
-
-	"github.com/encgate/encgate/internal/tcpconn"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
@@ -46,6 +44,12 @@ type Encoder struct {
 	inflight atomic.Int64
 	requests atomic.Uint64
 	forced   atomic.Int32 // tests and the demo: 0 normal, 1 forced usable, 2 forced unusable
+
+	// maxInflight is the pool's limits.max_inflight_per_encoder (<= 0: no
+	// limit), shared by every encoder so that a reload changes it for all.
+	maxInflight     *atomic.Int64
+	refusedInflight prometheus.Counter // nil outside a pool
+	refusedConns    prometheus.Counter
 }
 
 // ID identifies e's name and URL; pins record it (PinTable.Set).
@@ -110,22 +114,52 @@ func (e *Encoder) DoSend(req *fasthttp.Request, resp *fasthttp.Response, timeout
 	if e.agent == nil {
 		return e.Do(req, resp, timeout)
 	}
-	e.inflight.Add(1)
-	e.requests.Add(1)
+	if err := e.acquire(); err != nil {
+		return err
+	}
 	defer e.inflight.Add(-1)
-	return do(e.agent.client, e.agent.host, e.agent.scheme, req, resp, timeout)
+	return e.refusedByPool(do(e.agent.client, e.agent.host, e.agent.scheme, req, resp, timeout))
 }
 
 // Do sends req to e and reads the answer into resp within timeout. The
 // caller sets method, path, headers and body; Do sets the host. A connect
 // failure is a *DialError; a timeout wraps fasthttp.ErrTimeout. A request
 // that meets a pooled connection the encoder had already closed is sent on
-// another connection: provably nothing of it was delivered.
+// another connection: provably nothing of it was delivered. With
+// limits.max_inflight_per_encoder exchanges already in flight to e, Do sends
+// nothing and returns an *InflightLimitError.
 func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
-	e.inflight.Add(1)
-	e.requests.Add(1)
+	if err := e.acquire(); err != nil {
+		return err
+	}
 	defer e.inflight.Add(-1)
-	return do(e.client, e.host, e.scheme, req, resp, timeout)
+	return e.refusedByPool(do(e.client, e.host, e.scheme, req, resp, timeout))
+}
+
+// acquire counts one more exchange in flight to e, or refuses it when the
+// pool's in-flight limit is reached (the caller sends nothing then). Its
+// /sends to an agent count against the same limit: one entry, one budget.
+func (e *Encoder) acquire() error {
+	n := e.inflight.Add(1)
+	if e.maxInflight != nil {
+		if limit := e.maxInflight.Load(); limit > 0 && n > limit {
+			e.inflight.Add(-1)
+			if e.refusedInflight != nil {
+				e.refusedInflight.Inc()
+			}
+			return &InflightLimitError{Encoder: e.Name, Limit: limit}
+		}
+	}
+	e.requests.Add(1)
+	return nil
+}
+
+// refusedByPool counts an exchange refused for want of a free connection.
+func (e *Encoder) refusedByPool(err error) error {
+	if err != nil && e.refusedConns != nil && errors.Is(err, fasthttp.ErrNoFreeConns) {
+		e.refusedConns.Inc()
+	}
+	return err
 }
 
 func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
@@ -159,6 +193,10 @@ type Settings struct {
 	Client   ClientConfig
 	Breaker  BreakerConfig
 	Health   HealthConfig
+	// MaxInflight bounds exchanges in flight to one encoder (the gateway's
+	// limits.max_inflight_per_encoder); <= 0 means no bound. A reload
+	// changes it for every encoder at once, rebuilding nothing.
+	MaxInflight int
 }
 
 // fleet is an immutable snapshot of the encoders, swapped on reload.
@@ -176,8 +214,9 @@ type Pool struct {
 	Pins *PinTable
 	m    *poolMetrics
 
-	fleet    atomic.Pointer[fleet]
-	reloadMu sync.Mutex // serialises Reload
+	fleet       atomic.Pointer[fleet]
+	reloadMu    sync.Mutex   // serialises Reload
+	maxInflight atomic.Int64 // Settings.MaxInflight, read by every encoder
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -194,6 +233,7 @@ func NewPool(set Settings, aff AffinityConfig, clk clock.Clock, log *zap.Logger,
 		m:    newPoolMetrics(reg),
 		done: make(chan struct{}),
 	}
+	p.maxInflight.Store(int64(set.MaxInflight))
 	f := &fleet{byName: map[string]*Encoder{}, set: set}
 	for _, ec := range set.Encoders {
 		e, err := p.newEncoder(ec, set)
@@ -217,7 +257,8 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 		return nil, err
 	}
 	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), id: encoderID(ec),
-		host: u.Host, scheme: u.Scheme}
+		host: u.Host, scheme: u.Scheme, maxInflight: &p.maxInflight}
+	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
 	e.client = newClient(ec.Name, u, set.Client)
 	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.breakerChanged)
 	// Probes get their own small pool: an encoder whose traffic connections
@@ -279,7 +320,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return newProbedConn(tcpconn.Client(c), cc.IdleConnTimeout.D()/4), nil
+			return newProbedConn(c, cc.IdleConnTimeout.D()/4), nil
 		},
 	}
 }
@@ -415,6 +456,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 			}
 		}
 	}
+	p.maxInflight.Store(int64(set.MaxInflight))
 	p.fleet.Store(next)
 	p.stopAll(retired)
 	for _, e := range retired {
