@@ -27,6 +27,7 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -273,7 +274,7 @@ func (s *Server) Start() error {
 	}
 	s.ln, s.adln = ln, adln
 	s.conns.Listener = ln
-	go func() { s.done <- s.srv.Serve(s.conns) }()
+	go func() { s.done <- s.srv.Serve(tcpconn.Listener{Listener: s.conns}) }()
 	go func() {
 		if err := s.admin.Serve(adln); !errors.Is(err, http.ErrServerClosed) {
 			s.done <- err

@@ -17,6 +17,8 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
+
+	"github.com/encgate/encgate/internal/tcpconn"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
@@ -320,7 +322,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return newProbedConn(c, cc.IdleConnTimeout.D()/4), nil
+			return newProbedConn(tcpconn.Client(c), cc.IdleConnTimeout.D()/4), nil
 		},
 	}
 }
