@@ -80,6 +80,11 @@ type Result struct {
 	Retries         map[string]float64
 	Transitions     []string // breaker transitions, "enc-c closed->open x1"
 
+	Acks        int                // acks the ranks received on their PULL sockets, each the part's frame
+	AcksWrong   int                // acks whose frame was not the part's
+	AcksMissing int                // delivered /sends whose ack never came
+	AgentAcks   map[string]float64 // the agents' encgate_agent_acks_total by result
+
 	DupsInjected  int            // duplicate /sends the driver added
 	Replayed      int            // /send answers marked X-Encgate-Replayed
 	SendsReceived map[string]int // (req_id, destination) -> /sends the encoders received
@@ -150,6 +155,7 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	res.Landed = len(d.land.sent)
 	res.ReceiverWrites = nd.recv.Stats().Writes
 	res.BytesMoved, res.TransferSeconds = nd.transferred()
+	res.AgentAcks = nd.acks()
 	printSummary(w, res, time.Since(start), opts)
 	return res.check(opts)
 }
@@ -274,6 +280,9 @@ type driver struct {
 	replayed  int
 	retriedOK int // answers that needed more than one attempt and ended 200
 	local     int // follow-up errors the gateway answered itself (no attempt upstream)
+	acks      int // acks received with the part's frame
+	acksWrong int // acks with another frame
+	acksLost  int // delivered /sends whose ack never came
 }
 
 func newDriver(base string, opts Options, land *landing) *driver {
@@ -338,9 +347,16 @@ func (d *driver) part(ctx context.Context, part string, k int, media string) {
 				d.record("/send", 0, "demo receiver buffer full", 0)
 				return
 			}
+			// The rank's per-request PULL socket for the ack, as sglang binds.
+			ack, err := listenAck(ctx)
+			if err != nil {
+				d.record("/send", 0, "binding the ack socket: "+err.Error(), 0)
+				return
+			}
+			defer ack.close()
 			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"embedding_size":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
 				`"session_id":%q,"buffer_address":%d,"receive_count":%d}`,
-				part, k, size, 41000+r, d.land.session, addr, d.opts.ReceiverTP)
+				part, k, size, ack.port, d.land.session, addr, d.opts.ReceiverTP)
 			delivered := false
 			switch {
 			case dup && r == 0: // a confused rank: the same /send twice at once
@@ -367,6 +383,18 @@ func (d *driver) part(ctx context.Context, part string, k int, media string) {
 			}
 			if delivered {
 				d.land.record(part, addr, size)
+				// As sglang's rank: the part is ready only once its ack came.
+				frames, err := ack.wait(10 * time.Second)
+				d.mu.Lock()
+				switch {
+				case err != nil:
+					d.acksLost++
+				case len(frames) == 1 && bytes.Equal(frames[0], ackFrame(part, size/(dim*2), dim)):
+					d.acks++
+				default:
+					d.acksWrong++
+				}
+				d.mu.Unlock()
 			}
 		}()
 	}
@@ -485,6 +513,7 @@ func (d *driver) result(f *fleet, gw *gateway.Server, reg *prometheus.Registry) 
 		Received: map[string]int64{}, Errors: d.errors, Pins: gw.Pool().Pins.Len(),
 		DupsInjected: d.dups, Replayed: d.replayed, SendsReceived: map[string]int{},
 		Suppressed: suppressed(reg), RetriedOK: d.retriedOK, Local: d.local,
+		Acks: d.acks, AcksWrong: d.acksWrong, AcksMissing: d.acksLost,
 		Retries: counterBy(reg, "encgate_retries_total", "reason"), Transitions: transitions(reg)}
 	seen := map[string]int{}
 	for _, e := range f.encs {
@@ -544,6 +573,10 @@ func (r *Result) check(o Options) error {
 	}
 	if r.ReceiverWrites != uint64(r.Landed) {
 		return fmt.Errorf("the receiver took %d writes for %d delivered /sends", r.ReceiverWrites, r.Landed)
+	}
+	if r.Acks != r.Landed || r.AcksWrong != 0 || r.AcksMissing != 0 || r.AgentAcks["sent"] != float64(r.Landed) || r.AgentAcks["failed"] != 0 {
+		return fmt.Errorf("acks: %d of %d delivered /sends acked (%d with a wrong frame, %d missing); agents: %v",
+			r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks)
 	}
 	if o.DupEvery > 0 && r.DupsInjected == 0 {
 		return fmt.Errorf("no duplicate /send was injected")
@@ -605,6 +638,9 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 		"  checksums verified at the receiver: %d of %d landings (%.1f MiB), %d corrupt\n",
 		r.BytesMoved/(1<<20), r.Landed, tokensPerItem*dim*2>>10, gbps, mean,
 		r.Verified, r.Landed, float64(r.BytesVerified)/(1<<20), r.Corrupt)
+	fmt.Fprintf(w, "acks: %d of %d delivered /sends acked over ZMQ on the rank's PULL socket before it counted the part ready, each the part's frame (%d wrong, %d missing)\n"+
+		"  agents: %.0f sent, %.0f failed, %.0f skipped\n",
+		r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks["sent"], r.AgentAcks["failed"], r.AgentAcks["skipped"])
 	fmt.Fprintf(w, "errors by kind (each from an injected fault: media that failed to load, or the flaky encoder):\n")
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(w, "  none")

@@ -3,13 +3,18 @@ package demo
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"log"
+	"net"
 	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/go-zeromq/zmq4"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
@@ -58,25 +63,101 @@ func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
 
 func (nd *nodes) agentURL(i int) string { return "http://" + nd.agents[i].Addr() }
 
-// stager is the fake encoder i's Stage hook: it hands the embedding, with
-// content derived from the req_id, to its node's agent.
+// stager is the fake encoder i's Stage hook: it hands its node's agent the
+// embedding, with content derived from the req_id, and then the part's ack
+// frame, as an encoder wired to the agent does before it publishes the
+// part's metadata.
 func (nd *nodes) stager(i int) func(ctx context.Context, reqID string, tokens, dim, elem int) error {
 	return func(ctx context.Context, reqID string, tokens, dim, elem int) error {
 		url := fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", nd.agentURL(i), reqID, tokens, dim)
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(embedding(reqID, tokens*dim*elem)))
-		if err != nil {
+		if err := nd.post(ctx, url, embedding(reqID, tokens*dim*elem)); err != nil {
 			return err
 		}
-		resp, err := nd.client.Do(req)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("agent answered %d", resp.StatusCode)
-		}
-		return nil
+		return nd.post(ctx, fmt.Sprintf("%s/v1/ack?req_id=%s", nd.agentURL(i), reqID), ackFrame(reqID, tokens, dim))
 	}
+}
+
+func (nd *nodes) post(ctx context.Context, url string, body []byte) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	resp, err := nd.client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("agent answered %d", resp.StatusCode)
+	}
+	return nil
+}
+
+// ackFrame is the demo's stand-in for the pickled EmbeddingData an sglang
+// encoder stages as its ack frame: the agent treats it as opaque bytes.
+func ackFrame(reqID string, tokens, dim int) []byte {
+	return fmt.Appendf(nil, "EmbeddingData(req_id=%s, shape=[%d, %d], dtype=bfloat16)", reqID, tokens, dim)
+}
+
+// ackPort is a receiver rank's per-request PULL socket, bound before its
+// /send as sglang's is; its port goes in the /send as embedding_port.
+type ackPort struct {
+	sock   zmq4.Socket
+	cancel context.CancelFunc
+	port   int
+}
+
+func listenAck(ctx context.Context) (*ackPort, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	sock := zmq4.NewPull(ctx, zmq4.WithLogger(log.New(io.Discard, "", 0)))
+	if err := sock.Listen("tcp://127.0.0.1:0"); err != nil {
+		cancel()
+		return nil, err
+	}
+	return &ackPort{sock: sock, cancel: cancel, port: sock.Addr().(*net.TCPAddr).Port}, nil
+}
+
+// wait returns the first message's frames, or an error when none comes
+// within timeout.
+func (p *ackPort) wait(timeout time.Duration) ([][]byte, error) {
+	t := time.AfterFunc(timeout, p.cancel)
+	defer t.Stop()
+	for {
+		msg, err := p.sock.Recv()
+		if err == nil {
+			return msg.Frames, nil
+		}
+		if errors.Is(err, context.Canceled) {
+			return nil, fmt.Errorf("no ack within %v", timeout)
+		}
+		// Otherwise a peer closed its connection; keep waiting.
+	}
+}
+
+func (p *ackPort) close() {
+	p.cancel()
+	_ = p.sock.Close()
+}
+
+// acks sums the agents' encgate_agent_acks_total by result.
+func (nd *nodes) acks() map[string]float64 {
+	out := map[string]float64{}
+	for _, reg := range nd.regs {
+		mfs, _ := reg.Gather()
+		for _, mf := range mfs {
+			if mf.GetName() != "encgate_agent_acks_total" {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "result" {
+						out[l.GetValue()] += m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+	}
+	return out
 }
 
 func (nd *nodes) close() {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -48,6 +49,8 @@ type Agent struct {
 	adln    net.Listener
 	started atomic.Bool
 	ready   atomic.Bool
+	sending atomic.Int64   // /sends being served
+	sends   sync.WaitGroup // the same, to wait for (tests)
 	done    chan error
 	stop    chan struct{} // closed by Shutdown: ends the sweeper
 	swept   chan struct{} // closed when the sweeper has ended
@@ -120,6 +123,10 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		ErrorLog: zap.NewStdLog(a.log.Named("http"))}
 	a.admin = &http.Server{Handler: a.adminMux(), ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: zap.NewStdLog(a.log.Named("admin"))}
+	// Shutdown runs this once the control listener is closed.
+	a.srv.RegisterOnShutdown(func() {
+		a.log.Info("stopped accepting; finishing in-flight requests", zap.Int64("sends_in_flight", a.sending.Load()))
+	})
 	return a, nil
 }
 
@@ -174,10 +181,13 @@ func (a *Agent) AdminAddr() string { return a.adln.Addr().String() }
 // Done reports a listener that stopped on its own.
 func (a *Agent) Done() <-chan error { return a.done }
 
-// Shutdown goes not-ready, stops accepting, lets in-flight requests finish
-// until ctx ends (then closes their connections), and stops the sweeper, the
-// initiator's connections and the receiver. Every staged embedding is freed
-// (those still used by a /send cut off by ctx once it returns).
+// Shutdown drains: it goes not-ready first (/readyz answers 503, and the
+// admin listener stays up until the end), stops accepting on the control
+// listener, lets in-flight requests (a /send with its transfer and ack)
+// finish until ctx ends (then closes their connections), and stops the
+// sweeper, the initiator's connections and the receiver. Every staged
+// embedding is freed (those still used by a /send cut off by ctx once it
+// returns).
 func (a *Agent) Shutdown(ctx context.Context) error {
 	a.ready.Store(false)
 	a.log.Info("draining")
@@ -200,8 +210,8 @@ func (a *Agent) Shutdown(ctx context.Context) error {
 	if a.recv != nil {
 		err = errors.Join(err, a.recv.Close())
 	}
-	n := a.store.releaseAll()
-	a.log.Info("stopped", zap.Int("released", n), zap.Error(err))
+	n, acks := a.store.releaseAll()
+	a.log.Info("stopped", zap.Int("released", n), zap.Int("ack_frames_without_embedding", acks), zap.Error(err))
 	return err
 }
 
@@ -218,8 +228,9 @@ func (a *Agent) sweepLoop() {
 			t.Stop()
 			return
 		case <-t.C():
-			if n := a.store.sweep(a.clk.Now(), ttl); n > 0 {
-				a.log.Info("swept staged embeddings never fully sent", zap.Int("released", n), zap.Duration("ttl", ttl))
+			if n, acks := a.store.sweep(a.clk.Now(), ttl); n > 0 || acks > 0 {
+				a.log.Info("swept staged embeddings never fully sent", zap.Int("released", n),
+					zap.Int("ack_frames_without_embedding", acks), zap.Duration("ttl", ttl))
 			}
 		}
 	}
@@ -285,8 +296,14 @@ func (a *Agent) checkHost(ctx context.Context, host string) error {
 // dial is the initiator's dialer: every connection it opens is checked
 // against allow_networks at the address actually connected to.
 func (a *Agent) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	d := net.Dialer{
-		Timeout: a.cfg.Transfer.ConnectTimeout.D(),
+	return a.dialer(a.cfg.Transfer.ConnectTimeout.D()).DialContext(ctx, network, addr)
+}
+
+// dialer connects within timeout to addresses inside allow_networks only,
+// checked at the address actually connected to.
+func (a *Agent) dialer(timeout time.Duration) *net.Dialer {
+	return &net.Dialer{
+		Timeout: timeout,
 		Control: func(_, address string, _ syscall.RawConn) error {
 			ap, err := netip.ParseAddrPort(address)
 			if err != nil {
@@ -298,7 +315,6 @@ func (a *Agent) dial(ctx context.Context, network, addr string) (net.Conn, error
 			return nil
 		},
 	}
-	return d.DialContext(ctx, network, addr)
 }
 
 func (a *Agent) adminMux() *http.ServeMux {
@@ -324,6 +340,7 @@ func (a *Agent) adminMux() *http.ServeMux {
 // encgate_agent_requests_total; anything else is "other".
 var routeLabels = map[string]string{
 	"POST /v1/stage":         "stage",
+	"POST /v1/ack":           "ack",
 	"POST /send":             "send",
 	"GET /v1/receiver":       "receiver",
 	"GET /v1/receiver/bytes": "receiver_bytes",
@@ -332,6 +349,7 @@ var routeLabels = map[string]string{
 func (a *Agent) controlMux() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/stage", a.serveStage)
+	mux.HandleFunc("POST /v1/ack", a.serveAck)
 	mux.HandleFunc("POST /send", a.serveSend)
 	mux.HandleFunc("GET /v1/receiver", a.serveReceiver)
 	mux.HandleFunc("GET /v1/receiver/bytes", a.serveReceiverBytes)

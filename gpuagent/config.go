@@ -34,6 +34,9 @@ type Config struct {
 	// Absent or null (the default) means off; when present, all its keys
 	// are required.
 	Receiver *ReceiverConfig `yaml:"receiver"`
+	// Ack delivers the encoder's ZMQ completion ack after a confirmed
+	// transfer, as sglang's encoder does.
+	Ack AckConfig `yaml:"ack"`
 	// Notify is the completion notice sent after a confirmed transfer.
 	Notify NotifyConfig `yaml:"notify"`
 	// Log controls the zap logger.
@@ -82,6 +85,40 @@ type ReceiverConfig struct {
 	Buffers []configfile.ByteSize `yaml:"buffers"`
 }
 
+// Ack modes, the values of ack.mode.
+const (
+	// AckRequired refuses a /send whose req_id has no staged ack frame,
+	// before any byte moves.
+	AckRequired = "required"
+	// AckOptional transfers, then acks when a frame is staged.
+	AckOptional = "optional"
+	// AckOff never acks.
+	AckOff = "off"
+)
+
+// AckConfig controls the completion ack: the single-frame ZMQ message (the
+// encoder's pickled EmbeddingData, staged with POST /v1/ack) that an sglang
+// receiver rank waits for on its PULL socket at prefill_host:embedding_port
+// before it reads its buffer.
+type AckConfig struct {
+	// Mode is required (the default), optional or off.
+	Mode string `yaml:"mode"`
+	// MaxFrameBytes bounds one staged ack frame (default 1MiB); larger gets
+	// 413.
+	MaxFrameBytes configfile.ByteSize `yaml:"max_frame_bytes"`
+	// ConnectTimeout bounds the TCP connect to the receiver's PULL socket
+	// (default 5s).
+	ConnectTimeout configfile.Duration `yaml:"connect_timeout"`
+	// SendTimeout bounds the ZMTP handshake and the frame's write (default
+	// 10s).
+	SendTimeout configfile.Duration `yaml:"send_timeout"`
+	// Linger bounds the wait, after the frame is written and the agent has
+	// closed its side, for the receiver to close its end, which libzmq does
+	// once it has read everything (default 1s; 0 closes at once). A receiver
+	// that has not closed by then still counts as sent.
+	Linger configfile.Duration `yaml:"linger"`
+}
+
 // NotifyConfig chooses the completion notice.
 type NotifyConfig struct {
 	// HTTPURL, when set, receives a POST of the Completion JSON after every
@@ -103,6 +140,13 @@ func DefaultConfig() Config {
 			AllowNetworks:  []string{"127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"},
 			ConnectTimeout: configfile.Duration(5e9),
 			Timeout:        configfile.Duration(30e9),
+		},
+		Ack: AckConfig{
+			Mode:           AckRequired,
+			MaxFrameBytes:  1 << 20,
+			ConnectTimeout: configfile.Duration(5e9),
+			SendTimeout:    configfile.Duration(10e9),
+			Linger:         configfile.Duration(1e9),
 		},
 		Log:      configfile.Log{Level: "info"},
 		Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)},
@@ -138,6 +182,7 @@ func (c Config) Validate() error {
 	if c.Receiver != nil {
 		c.Receiver.validate(&p, "receiver")
 	}
+	c.Ack.validate(&p, "ack")
 	if u := c.Notify.HTTPURL; u != "" {
 		if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
 			p.Addf("notify.http_url", "must be an http(s) URL or empty, got %q", u)
@@ -174,6 +219,25 @@ func (t TransferConfig) validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".connect_timeout", t.ConnectTimeout)
 	p.Positive(path+".timeout", t.Timeout)
+}
+
+// maxAckFrame caps ack.max_frame_bytes: sglang's frames are a few KiB.
+const maxAckFrame = 64 << 20
+
+func (a AckConfig) validate(p *configfile.Problems, path string) {
+	switch a.Mode {
+	case AckRequired, AckOptional, AckOff:
+	default:
+		p.Addf(path+".mode", "must be required, optional or off, got %q", a.Mode)
+	}
+	if a.MaxFrameBytes <= 0 || a.MaxFrameBytes > maxAckFrame {
+		p.Addf(path+".max_frame_bytes", "must be > 0 and <= 64MiB, got %s", a.MaxFrameBytes)
+	}
+	p.Positive(path+".connect_timeout", a.ConnectTimeout)
+	p.Positive(path+".send_timeout", a.SendTimeout)
+	if a.Linger < 0 {
+		p.Addf(path+".linger", "must be >= 0, got %s", a.Linger)
+	}
 }
 
 func (r *ReceiverConfig) validate(p *configfile.Problems, path string) {

@@ -3,9 +3,12 @@ package gpuagent
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 
 	"github.com/encgate/encgate/internal/configfile"
 )
@@ -16,8 +19,24 @@ func TestDefaultConfigIsValid(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Receiver != nil || c.Notify.HTTPURL != "" || c.Staging.CapacityBytes != 4<<30 || c.Staging.TTL.D() != 180*time.Second ||
-		c.Staging.MaxStageBytes != 1<<30 || len(c.Transfer.AllowNetworks) != 4 {
+		c.Staging.MaxStageBytes != 1<<30 || len(c.Transfer.AllowNetworks) != 4 ||
+		c.Ack != (AckConfig{Mode: AckRequired, MaxFrameBytes: 1 << 20, ConnectTimeout: configfile.Duration(5 * time.Second),
+			SendTimeout: configfile.Duration(10 * time.Second), Linger: configfile.Duration(time.Second)}) {
 		t.Fatalf("defaults %+v", c)
+	}
+}
+
+// configs/agent.yaml documents every key with its default: loaded, it must
+// equal DefaultConfig.
+func TestExampleConfigShowsTheDefaults(t *testing.T) {
+	cfg, err := LoadConfig(filepath.Join("..", "configs", "agent.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := DefaultConfig(); !reflect.DeepEqual(cfg, want) {
+		got, _ := yaml.Marshal(cfg)
+		exp, _ := yaml.Marshal(want)
+		t.Fatalf("configs/agent.yaml differs from DefaultConfig:\n--- example\n%s\n--- defaults\n%s", got, exp)
 	}
 }
 
@@ -47,6 +66,12 @@ receiver:
   data_listen: "127.0.0.1:16001"
   advertise_host: "127.0.0.1"
   buffers: [64MiB, 1GiB]
+ack:
+  mode: optional
+  max_frame_bytes: 64KiB
+  connect_timeout: 1s
+  send_timeout: 3s
+  linger: 0s
 notify:
   http_url: "http://10.0.0.5:9000/done"
 log: {level: debug}
@@ -58,7 +83,9 @@ shutdown: {grace: 10s}
 	if c.Staging.CapacityBytes != 8<<30 || c.Staging.TTL.D() != 200*time.Second || c.Staging.MaxStageBytes != 512<<20 ||
 		len(c.Transfer.AllowNetworks) != 2 || c.Transfer.ConnectTimeout.D() != 2*time.Second ||
 		c.Receiver == nil || c.Receiver.AdvertiseHost != "127.0.0.1" || len(c.Receiver.Buffers) != 2 || c.Receiver.Buffers[1] != 1<<30 ||
-		c.Notify.HTTPURL != "http://10.0.0.5:9000/done" || c.Log.Level != "debug" || c.Shutdown.Grace.D() != 10*time.Second {
+		c.Notify.HTTPURL != "http://10.0.0.5:9000/done" || c.Log.Level != "debug" || c.Shutdown.Grace.D() != 10*time.Second ||
+		c.Ack != (AckConfig{Mode: AckOptional, MaxFrameBytes: 64 << 10, ConnectTimeout: configfile.Duration(time.Second),
+			SendTimeout: configfile.Duration(3 * time.Second)}) {
 		t.Fatalf("loaded %+v", c)
 	}
 }
@@ -87,6 +114,11 @@ transfer:
 receiver:
   handshake_listen: "127.0.0.1:15001"
   buffers: [0]
+ack:
+  mode: always
+  max_frame_bytes: 0
+  send_timeout: 0s
+  linger: -1s
 notify:
   http_url: "ftp://x"
 log: {level: loud}
@@ -105,6 +137,10 @@ log: {level: loud}
 		"receiver.advertise_host: must be set",
 		"receiver.buffers[0]: must be > 0",
 		`notify.http_url: must be an http(s) URL or empty, got "ftp://x"`,
+		`ack.mode: must be required, optional or off, got "always"`,
+		"ack.max_frame_bytes: must be > 0 and <= 64MiB",
+		"ack.send_timeout: must be > 0",
+		"ack.linger: must be >= 0",
 		`log.level: must be debug, info, warn or error, got "loud"`,
 	} {
 		if !strings.Contains(err.Error(), want) {
@@ -137,6 +173,11 @@ func TestValidate(t *testing.T) {
 		}, "receiver.data_listen: must differ"},
 		{"notify no host", func(c *Config) { c.Notify.HTTPURL = "http://" }, "notify.http_url"},
 		{"grace", func(c *Config) { c.Shutdown.Grace = 0 }, "shutdown.grace: must be > 0"},
+		{"ack off", func(c *Config) { c.Ack.Mode = AckOff }, ""},
+		{"ack mode empty", func(c *Config) { c.Ack.Mode = "" }, `ack.mode: must be required, optional or off, got ""`},
+		{"ack frame too big", func(c *Config) { c.Ack.MaxFrameBytes = 65 << 20 }, "ack.max_frame_bytes: must be > 0 and <= 64MiB, got 65MiB"},
+		{"ack connect timeout", func(c *Config) { c.Ack.ConnectTimeout = 0 }, "ack.connect_timeout: must be > 0"},
+		{"ack linger 0", func(c *Config) { c.Ack.Linger = 0 }, ""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

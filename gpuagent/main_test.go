@@ -6,11 +6,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/go-zeromq/zmq4"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
@@ -140,6 +143,96 @@ func (a *testAgent) stageOK(t *testing.T, id string, tokens, dim int) []byte {
 	want := fmt.Sprintf(`{"req_id":%q,"embedding_size":%d,"embedding_len":%d,"embedding_dim":%d}`, id, len(data), tokens, dim)
 	expect(t, r, http.StatusOK, want)
 	return data
+}
+
+// ackFrameOf is the ack frame the tests stage for id (the agent treats it as
+// opaque bytes; sglang's is a pickled EmbeddingData).
+func ackFrameOf(id string) []byte { return []byte("ack-frame-for:" + id) }
+
+// ackOK stages id's ack frame and returns it.
+func (a *testAgent) ackOK(t *testing.T, id string) []byte {
+	t.Helper()
+	frame := ackFrameOf(id)
+	r := do(t, http.MethodPost, a.base+"/v1/ack?req_id="+id, bytes.NewReader(frame))
+	expect(t, r, http.StatusOK, fmt.Sprintf(`{"req_id":%q,"ack_frame_bytes":%d}`, id, len(frame)))
+	return frame
+}
+
+// stageAcked stages an embedding as stageOK does, and its ack frame, as an
+// encoder wired to the agent does before publishing the part's metadata.
+func (a *testAgent) stageAcked(t *testing.T, id string, tokens, dim int) []byte {
+	t.Helper()
+	data := a.stageOK(t, id, tokens, dim)
+	a.ackOK(t, id)
+	return data
+}
+
+// ackSink is a ZMQ PULL socket of go-zeromq/zmq4 bound on a loopback port:
+// what an sglang receiver rank binds for its acks. frames gets each message
+// received, in order.
+type ackSink struct {
+	port   int
+	frames chan [][]byte
+}
+
+// startSink binds a PULL socket, closed at test end.
+func startSink(t *testing.T) *ackSink {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	pull := zmq4.NewPull(ctx, zmq4.WithLogger(log.New(io.Discard, "", 0)))
+	if err := pull.Listen("tcp://127.0.0.1:0"); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	s := &ackSink{port: pull.Addr().(*net.TCPAddr).Port, frames: make(chan [][]byte, 64)}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			msg, err := pull.Recv()
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil { // a peer closed its connection (zmq4 reports each)
+				continue
+			}
+			select {
+			case s.frames <- msg.Frames:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		_ = pull.Close()
+		<-done
+	})
+	return s
+}
+
+// next returns the next message's single frame, failing the test if the
+// message has another number of frames or none comes.
+func (s *ackSink) next(t *testing.T) []byte {
+	t.Helper()
+	select {
+	case frames := <-s.frames:
+		if len(frames) != 1 {
+			t.Fatalf("ack on port %d has %d frames, want 1", s.port, len(frames))
+		}
+		return frames[0]
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no ack reached port %d", s.port)
+		return nil
+	}
+}
+
+// expectAck fails unless the next message on s is exactly want.
+func (s *ackSink) expectAck(t *testing.T, want []byte) {
+	t.Helper()
+	if got := s.next(t); !bytes.Equal(got, want) {
+		t.Fatalf("ack on port %d is %.80q (%d bytes), want %.80q (%d bytes)", s.port, got, len(got), want, len(want))
+	}
 }
 
 // sendReq is a /send body.

@@ -14,6 +14,13 @@ const (
 	resultNotAllowed = "not_allowed" // destination outside transfer.allow_networks
 )
 
+// Ack results, the values of encgate_agent_acks_total{result}.
+const (
+	ackSent    = "sent"    // the frame reached the receiver's PULL socket
+	ackFailed  = "failed"  // connect, handshake or write failed; the /send answered 500
+	ackSkipped = "skipped" // a confirmed transfer with no ack: mode off, no frame (optional), or destination already acked
+)
+
 // Registration kinds, the values of encgate_agent_registrations_total{kind}.
 const (
 	regShared  = "shared"   // registered (pinned) once at staging
@@ -31,13 +38,15 @@ type metrics struct {
 	registrations  *prometheus.CounterVec // kind
 	requests       *prometheus.CounterVec // route, code
 	notifyFailures prometheus.Counter
+	acks           *prometheus.CounterVec // result
+	ackTime        prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		stagedBytes: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "encgate_agent_staged_bytes",
-			Help: "Bytes held for staged embeddings (being staged, staged, or released but still being sent).",
+			Help: "Bytes held for staged embeddings (being staged, staged, or released but still being sent) and staged ack frames.",
 		}),
 		stagedEntries: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "encgate_agent_staged_entries",
@@ -68,9 +77,21 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "encgate_agent_notify_failures_total",
 			Help: "Completion notices that failed after a confirmed transfer.",
 		}),
+		acks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_acks_total",
+			Help: "Completion acks after confirmed transfers, by result: sent, failed, skipped (mode off, no frame staged in optional mode, or the destination was already acked).",
+		}, []string{"result"}),
+		ackTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "encgate_agent_ack_seconds",
+			Help:    "Time of one ack delivery (connect, ZMTP handshake, write and linger), sent or failed.",
+			Buckets: prometheus.ExponentialBucketsRange(0.0001, 30, 16),
+		}),
 	}
 	reg.MustRegister(m.stagedBytes, m.stagedEntries, m.transferBytes, m.transferTime,
-		m.transfers, m.registrations, m.requests, m.notifyFailures)
+		m.transfers, m.registrations, m.requests, m.notifyFailures, m.acks, m.ackTime)
+	for _, r := range []string{ackSent, ackFailed, ackSkipped} {
+		m.acks.WithLabelValues(r)
+	}
 	for _, r := range []string{resultOK, resultRejected, resultFailed, resultNotAllowed} {
 		m.transfers.WithLabelValues(r)
 	}

@@ -98,6 +98,10 @@ type sendError struct {
 
 // serveSend is POST /send: sglang's _send for a staged embedding.
 func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
+	a.sending.Add(1)
+	a.sends.Add(1)
+	defer a.sends.Done()
+	defer a.sending.Add(-1)
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxSendBody))
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -128,8 +132,8 @@ func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
 	_, _ = w.Write([]byte("null"))
 }
 
-// send runs sglang's checks, the transfer and the completion notice for
-// one destination, then counts it. Any failure releases the req_id.
+// send runs sglang's checks, the transfer, the ack and the completion notice
+// for one destination, then counts it. Any failure releases the req_id.
 func (a *Agent) send(ctx context.Context, req sendRequest) *sendError {
 	e := a.store.acquire(req.ReqID)
 	if e == nil {
@@ -171,6 +175,10 @@ func (a *Agent) transfer(ctx context.Context, e *entry, req sendRequest) *sendEr
 	if serr := a.checkDestination(ctx, req); serr != nil {
 		return serr
 	}
+	frame, serr := a.ackFrameFor(req)
+	if serr != nil {
+		return serr
+	}
 	nbytes := len(e.mem.data)
 	unpin := a.pinPerSend(e)
 	start := a.clk.Now()
@@ -185,6 +193,9 @@ func (a *Agent) transfer(ctx context.Context, e *entry, req sendRequest) *sendEr
 	if c := a.log.Check(zap.DebugLevel, "transferred"); c != nil {
 		c.Write(zap.String("req_id", req.ReqID), zap.String("session_id", req.SessionID), zap.Int("bytes", res.Bytes),
 			zap.Int("proto_version", res.Version), zap.Bool("reused", res.Reused), zap.Bool("handshake", res.Handshake))
+	}
+	if serr := a.ack(ctx, e, req, frame, nbytes); serr != nil {
+		return serr
 	}
 	err = a.notifier.Notify(ctx, Completion{
 		ReqID: req.ReqID, PartIdx: req.PartIdx, PrefillHost: req.PrefillHost, EmbeddingPort: req.EmbeddingPort,

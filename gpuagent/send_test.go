@@ -19,11 +19,13 @@ import (
 func TestSendWritesExactBytesIntoTheReceiver(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
-	data := a.stageOK(t, "req-1", 4, 8) // 64 bytes
+	data := a.stageAcked(t, "req-1", 4, 8) // 64 bytes
 	addr := base(t, recv) + 100
+	sink := startSink(t)
 
-	r := a.send(t, sendReq{id: "req-1", port: 9001, session: recv.SessionID(), addr: addr, count: 1})
+	r := a.send(t, sendReq{id: "req-1", port: sink.port, session: recv.SessionID(), addr: addr, count: 1})
 	expect(t, r, http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("req-1"))
 	if r.ctype != "application/json" {
 		t.Fatalf("content type %q", r.ctype)
 	}
@@ -49,6 +51,9 @@ func TestSendWritesExactBytesIntoTheReceiver(t *testing.T) {
 	if n := testutil.CollectAndCount(a.metrics.transferTime); n != 1 {
 		t.Errorf("transfer_seconds series = %d", n)
 	}
+	if v := testutil.ToFloat64(a.metrics.acks.WithLabelValues(ackSent)); v != 1 {
+		t.Errorf("acks{sent} = %v", v)
+	}
 	// receive_count 1 reached: released and freed.
 	if v := testutil.ToFloat64(a.metrics.stagedEntries); v != 0 {
 		t.Errorf("staged entries = %v after release", v)
@@ -60,19 +65,28 @@ func TestSendWritesExactBytesIntoTheReceiver(t *testing.T) {
 func TestSendRefcountsDistinctDestinations(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
-	data := a.stageOK(t, "tp", 16, 16) // 512 bytes
+	data := a.stageAcked(t, "tp", 16, 16) // 512 bytes
 	b := base(t, recv)
 	rank := func(port int, addr uint64) reply {
 		return a.send(t, sendReq{id: "tp", port: port, session: recv.SessionID(), addr: addr, count: 2})
 	}
-	expect(t, rank(7001, b), http.StatusOK, "null")
-	// The same rank again re-sends but does not advance the count.
-	expect(t, rank(7001, b), http.StatusOK, "null")
+	r1, r2 := startSink(t), startSink(t)
+	expect(t, rank(r1.port, b), http.StatusOK, "null")
+	// The same rank again re-sends but does not advance the count, nor ack
+	// again.
+	expect(t, rank(r1.port, b), http.StatusOK, "null")
 	st := a.staged(t)
-	if len(st) != 1 || len(st[0].Destinations) != 1 || st[0].Destinations[0] != "127.0.0.1:7001" || st[0].ReceiveCount != 2 {
+	dest1 := fmt.Sprintf("127.0.0.1:%d", r1.port)
+	if len(st) != 1 || len(st[0].Destinations) != 1 || st[0].Destinations[0] != dest1 || st[0].ReceiveCount != 2 ||
+		len(st[0].AcksSent) != 1 || st[0].AcksSent[0] != dest1 || !st[0].AckFrame {
 		t.Fatalf("staged = %+v", st)
 	}
-	expect(t, rank(7002, b+4096), http.StatusOK, "null")
+	expect(t, rank(r2.port, b+4096), http.StatusOK, "null")
+	r1.expectAck(t, ackFrameOf("tp"))
+	r2.expectAck(t, ackFrameOf("tp"))
+	if v := testutil.ToFloat64(a.metrics.acks.WithLabelValues(ackSkipped)); v != 1 {
+		t.Errorf("acks{skipped} = %v, want 1 (the repeated destination)", v)
+	}
 	if st := a.staged(t); len(st) != 0 {
 		t.Fatalf("still staged after 2 of 2 destinations: %+v", st)
 	}
@@ -92,10 +106,12 @@ func TestSendRefcountsDistinctDestinations(t *testing.T) {
 func TestSendWithoutReceiveCountLeavesTheEntry(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
-	a.stageOK(t, "nocount", 2, 2)
-	for port := 1; port <= 3; port++ {
-		expect(t, a.send(t, sendReq{id: "nocount", port: port, session: recv.SessionID(), addr: base(t, recv), count: -1}),
+	a.stageAcked(t, "nocount", 2, 2)
+	for range 3 {
+		sink := startSink(t)
+		expect(t, a.send(t, sendReq{id: "nocount", port: sink.port, session: recv.SessionID(), addr: base(t, recv), count: -1}),
 			http.StatusOK, "null")
+		sink.expectAck(t, ackFrameOf("nocount"))
 	}
 	if st := a.staged(t); len(st) != 1 || len(st[0].Destinations) != 3 {
 		t.Fatalf("staged = %+v", st)
@@ -127,7 +143,7 @@ func TestSendErrors(t *testing.T) {
 		released(t, "bad") // released on the error, as sglang's newer encoder does
 	})
 	t.Run("out of range", func(t *testing.T) {
-		a.stageOK(t, "far", 4, 4)
+		a.stageAcked(t, "far", 4, 4)
 		far := b + 1<<20 - 16 // the last 16 bytes of the buffer: 32 do not fit
 		r := a.send(t, sendReq{id: "far", port: 1, session: session, addr: far, count: 1})
 		expectErr(t, r, http.StatusBadRequest, "far", fmt.Sprintf("[%#x, %#x)", far, far+32), "session "+session, "nothing was sent")
@@ -209,7 +225,7 @@ func TestSendDialTimeCheckRefusesWhatTheNameResolvesTo(t *testing.T) {
 			return []netip.Addr{netip.MustParseAddr("10.9.9.9")}, nil
 		}
 	})
-	a.stageOK(t, "name", 2, 2)
+	a.stageAcked(t, "name", 2, 2)
 	_, port, _ := strings.Cut(recv.SessionID(), ":")
 	r := a.send(t, sendReq{id: "name", host: "10.1.1.1", port: 1, session: "localhost:" + port, addr: base(t, recv), count: 1})
 	expectErr(t, r, http.StatusForbidden, "name", "transfer.allow_networks", "nothing was sent")
@@ -226,7 +242,7 @@ func TestSendTransferFailure(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := startAgent(t, nil, nil, nil)
-	a.stageOK(t, "gone", 4, 4)
+	a.stageAcked(t, "gone", 4, 4)
 	r := a.send(t, sendReq{id: "gone", port: 1, session: session, addr: b, count: 2})
 	expectErr(t, r, http.StatusInternalServerError, "gone",
 		fmt.Sprintf("Mooncake transfer_sync failed for gone (session=%s, nbytes=32, ret=-1): ", session))
@@ -240,9 +256,11 @@ func TestSendTransferFailure(t *testing.T) {
 func TestSendErrorReleasesForSiblings(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
-	a.stageOK(t, "sib", 4, 4)
+	a.stageAcked(t, "sib", 4, 4)
 	b := base(t, recv)
-	expect(t, a.send(t, sendReq{id: "sib", port: 1, session: recv.SessionID(), addr: b, count: 3}), http.StatusOK, "null")
+	sink := startSink(t)
+	expect(t, a.send(t, sendReq{id: "sib", port: sink.port, session: recv.SessionID(), addr: b, count: 3}), http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("sib"))
 	expectErr(t, a.send(t, sendReq{id: "sib", port: 2, session: recv.SessionID(), addr: b + 1<<30, count: 3}),
 		http.StatusBadRequest, "sib")
 	expectErr(t, a.send(t, sendReq{id: "sib", port: 3, session: recv.SessionID(), addr: b + 64, count: 3}),
@@ -253,19 +271,24 @@ func TestSendErrorReleasesForSiblings(t *testing.T) {
 func TestSendConcurrentRanks(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
-	data := a.stageOK(t, "many", 64, 64) // 8KiB
+	data := a.stageAcked(t, "many", 64, 64) // 8KiB
 	b := base(t, recv)
 	const ranks = 8
 	var wg sync.WaitGroup
 	replies := make([]reply, ranks)
+	sinks := make([]*ackSink, ranks)
+	for i := range sinks {
+		sinks[i] = startSink(t)
+	}
 	for i := range ranks {
 		wg.Go(func() {
-			replies[i] = a.send(t, sendReq{id: "many", port: 100 + i, session: recv.SessionID(), addr: b + uint64(i*len(data)), count: ranks})
+			replies[i] = a.send(t, sendReq{id: "many", port: sinks[i].port, session: recv.SessionID(), addr: b + uint64(i*len(data)), count: ranks})
 		})
 	}
 	wg.Wait()
 	for i, r := range replies {
 		expect(t, r, http.StatusOK, "null")
+		sinks[i].expectAck(t, ackFrameOf("many"))
 		got, _ := recv.Bytes(b+uint64(i*len(data)), len(data))
 		if !bytes.Equal(got, data) {
 			t.Fatalf("rank %d bytes differ", i)
@@ -296,15 +319,17 @@ func TestSendNotifiesAfterTheTransfer(t *testing.T) {
 	}))
 	defer hook.Close()
 	a := startAgent(t, func(c *Config) { c.Notify.HTTPURL = hook.URL + "/done" }, nil, nil)
-	a.stageOK(t, "note", 3, 5)
+	a.stageAcked(t, "note", 3, 5)
 	b := base(t, recv)
-	expect(t, a.send(t, sendReq{id: "note", port: 4242, session: recv.SessionID(), addr: b, count: 2}), http.StatusOK, "null")
+	r1, r2 := startSink(t), startSink(t)
+	expect(t, a.send(t, sendReq{id: "note", port: r1.port, session: recv.SessionID(), addr: b, count: 2}), http.StatusOK, "null")
+	r1.expectAck(t, ackFrameOf("note"))
 	mu.Lock()
 	if len(got) != 1 {
 		t.Fatalf("notices: %+v", got)
 	}
 	c := got[0]
-	if c.ReqID != "note" || c.PartIdx == nil || *c.PartIdx != 0 || c.PrefillHost != "127.0.0.1" || c.EmbeddingPort != 4242 ||
+	if c.ReqID != "note" || c.PartIdx == nil || *c.PartIdx != 0 || c.PrefillHost != "127.0.0.1" || c.EmbeddingPort != int64(r1.port) ||
 		c.EmbeddingSize != 30 || c.EmbeddingLen != 3 || c.EmbeddingDim != 5 || c.Dtype != "bfloat16" ||
 		c.SessionID != recv.SessionID() || c.BufferAddress != b {
 		t.Fatalf("notice %+v", c)
@@ -312,8 +337,10 @@ func TestSendNotifiesAfterTheTransfer(t *testing.T) {
 	fail = true
 	mu.Unlock()
 
-	r := a.send(t, sendReq{id: "note", port: 4243, session: recv.SessionID(), addr: b + 64, count: 2})
+	// The ack goes first; the notice fails after it.
+	r := a.send(t, sendReq{id: "note", port: r2.port, session: recv.SessionID(), addr: b + 64, count: 2})
 	expectErr(t, r, http.StatusInternalServerError, "note", "completion notice failed", hook.URL+"/done", "status 502")
+	r2.expectAck(t, ackFrameOf("note"))
 	if st := a.staged(t); len(st) != 0 {
 		t.Fatalf("not released after a failed notice: %+v", st)
 	}

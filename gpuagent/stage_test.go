@@ -259,7 +259,10 @@ func TestStageFromSHM(t *testing.T) {
 		t.Fatalf("staged = %+v", st)
 	}
 	b := base(t, recv) + 512
-	expect(t, a.send(t, sendReq{id: "shm", port: 1, session: recv.SessionID(), addr: b, count: 1}), http.StatusOK, "null")
+	a.ackOK(t, "shm") // the ack may come after the embedding
+	sink := startSink(t)
+	expect(t, a.send(t, sendReq{id: "shm", port: sink.port, session: recv.SessionID(), addr: b, count: 1}), http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("shm"))
 	got, _ := recv.Bytes(b, len(data))
 	if !bytes.Equal(got, data) {
 		t.Fatalf("receiver holds %x\nwant %x", got, data)
@@ -349,12 +352,14 @@ func TestRegistrationSharedAndPerSend(t *testing.T) {
 	a := startAgent(t, nil, nil, pc.install)
 	b := base(t, recv)
 
-	a.stageOK(t, "shared", 4, 4)
+	a.stageAcked(t, "shared", 4, 4)
 	if st := a.staged(t); st[0].Registration != regShared {
 		t.Fatalf("staged = %+v", st)
 	}
-	for port := 1; port <= 2; port++ {
-		expect(t, a.send(t, sendReq{id: "shared", port: port, session: recv.SessionID(), addr: b, count: 2}), http.StatusOK, "null")
+	for range 2 {
+		sink := startSink(t)
+		expect(t, a.send(t, sendReq{id: "shared", port: sink.port, session: recv.SessionID(), addr: b, count: 2}), http.StatusOK, "null")
+		sink.expectAck(t, ackFrameOf("shared"))
 	}
 	pc.mu.Lock()
 	if pc.pins != 1 || pc.unpins != 1 {
@@ -363,15 +368,17 @@ func TestRegistrationSharedAndPerSend(t *testing.T) {
 	pc.refuse = true // as RLIMIT_MEMLOCK would
 	pc.mu.Unlock()
 
-	a.stageOK(t, "fallback", 4, 4)
+	a.stageAcked(t, "fallback", 4, 4)
 	if st := a.staged(t); st[0].Registration != regPerSend {
 		t.Fatalf("staged = %+v", st)
 	}
 	pc.mu.Lock()
 	pc.refuse = false // the per-send registration succeeds
 	pc.mu.Unlock()
-	for port := 1; port <= 3; port++ {
-		expect(t, a.send(t, sendReq{id: "fallback", port: port, session: recv.SessionID(), addr: b, count: 3}), http.StatusOK, "null")
+	for range 3 {
+		sink := startSink(t)
+		expect(t, a.send(t, sendReq{id: "fallback", port: sink.port, session: recv.SessionID(), addr: b, count: 3}), http.StatusOK, "null")
+		sink.expectAck(t, ackFrameOf("fallback"))
 	}
 	pc.mu.Lock()
 	if pc.pins != 4 || pc.unpins != 4 {
@@ -390,21 +397,27 @@ func TestAdminStagedAndMetricsEndpoints(t *testing.T) {
 	clk := clock.NewFake(time.Unix(1_000_000, 0))
 	recv := startReceiver(t)
 	a := startAgent(t, nil, clk, nil)
-	a.stageOK(t, "b-emb", 2, 3)
+	a.stageAcked(t, "b-emb", 2, 3) // 12 bytes and a 19-byte ack frame
 	expect(t, do(t, http.MethodPost, a.base+"/v1/stage?req_id=a-err&error=oops", nil), http.StatusOK, `{"req_id":"a-err","error":"oops"}`)
-	expect(t, a.send(t, sendReq{id: "b-emb", port: 5, session: recv.SessionID(), addr: base(t, recv), count: 2}), http.StatusOK, "null")
+	a.ackOK(t, "c-early") // an ack frame before its embedding: 21 bytes
+	sink := startSink(t)
+	expect(t, a.send(t, sendReq{id: "b-emb", port: sink.port, session: recv.SessionID(), addr: base(t, recv), count: 2}), http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("b-emb"))
 	clk.Advance(2 * time.Second) // the sweeper's first timer is 45s away
 	r := do(t, http.MethodGet, a.admin+"/admin/staged", nil)
-	want := `[{"req_id":"a-err","state":"failed","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","destinations_done":[],"receive_count":0,"error":"oops","sends_active":0,"age_seconds":2},` +
-		`{"req_id":"b-emb","state":"staged","bytes":12,"tokens":2,"dim":3,"dtype":"bfloat16","source":"http","registration":"shared","destinations_done":["127.0.0.1:5"],"receive_count":2,"sends_active":0,"age_seconds":2}]`
+	want := `[{"req_id":"a-err","state":"failed","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","destinations_done":[],"receive_count":0,"error":"oops","ack_frame":false,"ack_frame_bytes":0,"acks_sent":[],"sends_active":0,"age_seconds":2},` +
+		fmt.Sprintf(`{"req_id":"b-emb","state":"staged","bytes":12,"tokens":2,"dim":3,"dtype":"bfloat16","source":"http","registration":"shared","destinations_done":["127.0.0.1:%d"],"receive_count":2,"ack_frame":true,"ack_frame_bytes":19,"acks_sent":["127.0.0.1:%d"],"sends_active":0,"age_seconds":2},`, sink.port, sink.port) +
+		`{"req_id":"c-early","state":"ack_only","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","destinations_done":[],"receive_count":0,"ack_frame":true,"ack_frame_bytes":21,"acks_sent":[],"sends_active":0,"age_seconds":2}]`
 	expect(t, r, http.StatusOK, want)
 
 	m := do(t, http.MethodGet, a.admin+"/metrics", nil)
 	for _, s := range []string{
-		"encgate_agent_staged_bytes 12", "encgate_agent_staged_entries 2", "encgate_agent_transfer_bytes_total 12",
+		"encgate_agent_staged_bytes 52", "encgate_agent_staged_entries 2", "encgate_agent_transfer_bytes_total 12",
 		`encgate_agent_transfers_total{result="ok"} 1`, `encgate_agent_transfers_total{result="not_allowed"} 0`,
 		`encgate_agent_registrations_total{kind="shared"} 1`, `encgate_agent_registrations_total{kind="per_send"} 0`,
 		`encgate_agent_requests_total{code="200",route="stage"} 2`, "encgate_agent_transfer_seconds_count 1",
+		`encgate_agent_requests_total{code="200",route="ack"} 2`, `encgate_agent_acks_total{result="sent"} 1`,
+		`encgate_agent_acks_total{result="failed"} 0`, `encgate_agent_acks_total{result="skipped"} 0`, "encgate_agent_ack_seconds_count 1",
 	} {
 		if !strings.Contains(m.body, s) {
 			t.Errorf("metrics lack %q", s)
@@ -441,9 +454,11 @@ func TestReceiverEndpoints(t *testing.T) {
 		t.Fatalf("GET /v1/receiver: %d %s", r.status, r.body)
 	}
 	// The agent sends into its own receiver.
-	data := a.stageOK(t, "self", 8, 8)
+	data := a.stageAcked(t, "self", 8, 8)
 	addr := info.Buffers[0].Addr + 1000
-	expect(t, a.send(t, sendReq{id: "self", port: 1, session: info.SessionID, addr: addr, count: 1}), http.StatusOK, "null")
+	sink := startSink(t)
+	expect(t, a.send(t, sendReq{id: "self", port: sink.port, session: info.SessionID, addr: addr, count: 1}), http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("self"))
 	got := do(t, http.MethodGet, fmt.Sprintf("%s/v1/receiver/bytes?addr=%d&len=%d", a.base, addr, len(data)), nil)
 	if got.status != http.StatusOK || got.body != string(data) || got.ctype != "application/octet-stream" {
 		t.Fatalf("bytes: %d %q", got.status, got.body)

@@ -1,6 +1,7 @@
 package gpuagent
 
 import (
+	"bytes"
 	"cmp"
 	"errors"
 	"slices"
@@ -31,6 +32,7 @@ type entry struct {
 	released bool                // out of the map; freed when users reaches 0
 	users    int                 // the stager and /sends using the memory
 	dests    map[string]struct{} // distinct prefill_host:embedding_port done
+	acked    map[string]struct{} // destinations an ack was sent (or is being sent) to
 	receive  int64               // the latest receive_count seen
 
 	pinMu sync.Mutex // protects pins and pinned
@@ -54,22 +56,86 @@ var (
 	errCapacity = errors.New("capacity")
 )
 
-// store holds the staged entries and the bytes they take. An entry leaves
-// the map when it is released (all destinations done, a send error, the
-// TTL sweep, shutdown); its memory is freed once no /send uses it anymore.
+// ackFrame is the ack frame staged for a req_id. It is kept apart from the
+// req_id's entry so that either may be staged first, and goes when that
+// entry is released (or, staged for no entry, at the TTL sweep). data is
+// never written after it is stored.
+type ackFrame struct {
+	data []byte
+	at   time.Time
+}
+
+// store holds the staged entries and ack frames and the bytes they take.
+// An entry leaves the map when it is released (all destinations done, a send
+// error, the TTL sweep, shutdown), and its ack frame with it; its memory is
+// freed once no /send uses it anymore.
 type store struct {
 	capacity int64
 	m        *metrics
 	unpin    func([]byte) error // undoes a shared registration before unmapping
 
-	mu      sync.Mutex        // protects entries, held, count and entries' guarded fields
-	entries map[string]*entry // by req_id, released ones removed
-	held    int64             // bytes of every entry not yet freed
-	count   int               // entries not yet freed
+	mu      sync.Mutex           // protects entries, acks, held, count and entries' guarded fields
+	entries map[string]*entry    // by req_id, released ones removed
+	acks    map[string]*ackFrame // by req_id
+	held    int64                // bytes of every entry not yet freed and of every ack frame
+	count   int                  // entries not yet freed
 }
 
 func newStore(capacity int64, m *metrics, unpin func([]byte) error) *store {
-	return &store{capacity: capacity, m: m, unpin: unpin, entries: map[string]*entry{}}
+	return &store{capacity: capacity, m: m, unpin: unpin, entries: map[string]*entry{}, acks: map[string]*ackFrame{}}
+}
+
+// putAck stages data as id's ack frame. A second frame for id is accepted
+// when it is the same bytes (same reports that), errExists otherwise;
+// errCapacity when it does not fit.
+func (s *store) putAck(id string, data []byte, at time.Time) (same bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if old, ok := s.acks[id]; ok {
+		if bytes.Equal(old.data, data) {
+			return true, nil
+		}
+		return false, errExists
+	}
+	if int64(len(data)) > s.capacity-s.held {
+		return false, errCapacity
+	}
+	s.acks[id] = &ackFrame{data: data, at: at}
+	s.held += int64(len(data))
+	s.gauges()
+	return false, nil
+}
+
+// ackFrame returns id's staged ack frame, or nil.
+func (s *store) ackFrame(id string) []byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if a := s.acks[id]; a != nil {
+		return a.data
+	}
+	return nil
+}
+
+// claimAck reports whether dest is the first destination of e to be acked
+// as dest, and marks it so; a later /send to the same destination is not
+// acked again (a second ack makes sglang's receiver fail the request).
+func (s *store) claimAck(e *entry, dest string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, done := e.acked[dest]; done {
+		return false
+	}
+	e.acked[dest] = struct{}{}
+	return true
+}
+
+// dropAckLocked forgets id's ack frame, if any.
+func (s *store) dropAckLocked(id string) {
+	if a, ok := s.acks[id]; ok {
+		delete(s.acks, id)
+		s.held -= int64(len(a.data))
+		s.gauges()
+	}
 }
 
 // reserve adds e (not ready yet) and its bytes: errExists when the req_id is
@@ -87,6 +153,7 @@ func (s *store) reserve(e *entry) error {
 	e.ready = make(chan struct{})
 	e.users = 1
 	e.dests = map[string]struct{}{}
+	e.acked = map[string]struct{}{}
 	s.entries[e.id] = e
 	s.held += e.nbytes
 	s.count++
@@ -168,6 +235,8 @@ func (s *store) release(e *entry) {
 	s.mu.Unlock()
 }
 
+// releaseLocked takes e out of the map, with its ack frame unless e's
+// staging failed (the encoder may stage again for the same ack).
 func (s *store) releaseLocked(e *entry) {
 	if e.released {
 		return
@@ -175,6 +244,9 @@ func (s *store) releaseLocked(e *entry) {
 	e.released = true
 	if s.entries[e.id] == e {
 		delete(s.entries, e.id)
+		if !e.aborted {
+			s.dropAckLocked(e.id)
+		}
 	}
 }
 
@@ -202,23 +274,29 @@ func (s *store) free(e *entry) {
 	s.mu.Unlock()
 }
 
-// sweep releases every entry staged ttl or longer before now and returns
-// how many it released.
-func (s *store) sweep(now time.Time, ttl time.Duration) int {
-	return s.releaseWhere(func(e *entry) bool { return now.Sub(e.at) >= ttl })
+// sweep releases every entry staged ttl or longer before now, and every
+// ack frame staged that long ago for no entry, and returns how many of each
+// it released.
+func (s *store) sweep(now time.Time, ttl time.Duration) (entries, acks int) {
+	return s.releaseWhere(func(at time.Time) bool { return now.Sub(at) >= ttl })
 }
 
-// releaseAll releases every entry (shutdown).
-func (s *store) releaseAll() int {
-	return s.releaseWhere(func(*entry) bool { return true })
+// releaseAll releases every entry and ack frame (shutdown).
+func (s *store) releaseAll() (entries, acks int) {
+	return s.releaseWhere(func(time.Time) bool { return true })
 }
 
-func (s *store) releaseWhere(match func(*entry) bool) int {
+func (s *store) releaseWhere(match func(stagedAt time.Time) bool) (n, acks int) {
 	var unused []*entry
-	n := 0
 	s.mu.Lock()
+	for id, a := range s.acks {
+		if s.entries[id] == nil && match(a.at) {
+			s.dropAckLocked(id)
+			acks++
+		}
+	}
 	for _, e := range s.entries {
-		if !match(e) {
+		if !match(e.at) {
 			continue
 		}
 		s.releaseLocked(e)
@@ -231,7 +309,7 @@ func (s *store) releaseWhere(match func(*entry) bool) int {
 	for _, e := range unused {
 		s.free(e)
 	}
-	return n
+	return n, acks
 }
 
 func (s *store) gauges() {
@@ -249,8 +327,9 @@ func (s *store) usage() (held int64, count int) {
 // StagedEntry is one row of GET /admin/staged.
 type StagedEntry struct {
 	ReqID string `json:"req_id"`
-	// State is staging (bytes still arriving), staged, or failed (a failed
-	// encode was recorded).
+	// State is staging (bytes still arriving), staged, failed (a failed
+	// encode was recorded), or ack_only (an ack frame staged before its
+	// embedding).
 	State        string   `json:"state"`
 	Bytes        int64    `json:"bytes"`
 	Tokens       int64    `json:"tokens"`
@@ -261,8 +340,13 @@ type StagedEntry struct {
 	Destinations []string `json:"destinations_done"`
 	ReceiveCount int64    `json:"receive_count"` // 0 until a /send gave one
 	Error        string   `json:"error,omitempty"`
-	SendsActive  int      `json:"sends_active"`
-	AgeSeconds   float64  `json:"age_seconds"`
+	// AckFrame says an ack frame is staged for the req_id (POST /v1/ack);
+	// AckFrameBytes is its size.
+	AckFrame      bool     `json:"ack_frame"`
+	AckFrameBytes int      `json:"ack_frame_bytes"`
+	AcksSent      []string `json:"acks_sent"` // destinations acked (or being acked)
+	SendsActive   int      `json:"sends_active"`
+	AgeSeconds    float64  `json:"age_seconds"`
 }
 
 // snapshot lists the staged entries by req_id.
@@ -274,6 +358,10 @@ func (s *store) snapshot(now time.Time) []StagedEntry {
 			ReqID: e.id, State: "staged", Bytes: e.nbytes, Tokens: e.tokens, Dim: e.dim, Dtype: e.dtype,
 			Source: e.source, Destinations: make([]string, 0, len(e.dests)), ReceiveCount: e.receive,
 			Error: e.failed, SendsActive: e.users, AgeSeconds: now.Sub(e.at).Seconds(),
+			AcksSent: make([]string, 0, len(e.acked)),
+		}
+		if a := s.acks[e.id]; a != nil {
+			row.AckFrame, row.AckFrameBytes = true, len(a.data)
 		}
 		switch {
 		case e.failed != "":
@@ -288,7 +376,17 @@ func (s *store) snapshot(now time.Time) []StagedEntry {
 			row.Destinations = append(row.Destinations, d)
 		}
 		slices.Sort(row.Destinations)
+		for d := range e.acked {
+			row.AcksSent = append(row.AcksSent, d)
+		}
+		slices.Sort(row.AcksSent)
 		out = append(out, row)
+	}
+	for id, a := range s.acks {
+		if s.entries[id] == nil {
+			out = append(out, StagedEntry{ReqID: id, State: "ack_only", Destinations: []string{}, AcksSent: []string{},
+				AckFrame: true, AckFrameBytes: len(a.data), AgeSeconds: now.Sub(a.at).Seconds()})
+		}
 	}
 	s.mu.Unlock()
 	slices.SortFunc(out, func(a, b StagedEntry) int { return cmp.Compare(a.ReqID, b.ReqID) })
