@@ -3,6 +3,7 @@ package gateway
 import (
 	"errors"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,6 +24,8 @@ type metrics struct {
 	reloads         *prometheus.CounterVec // result
 
 	adminUnauthorized prometheus.Counter
+
+	hot hot
 }
 
 // codeLabels avoids formatting a status code on every request.
@@ -114,12 +117,45 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *connLimit
 	for _, l := range routeLabels() {
 		m.duration.WithLabelValues(l)
 	}
+	m.initHot()
 	return m
 }
 
+// hot holds the children that nearly every request updates, so the request
+// path skips the label hashing and lookups of WithLabelValues.
+type hot struct {
+	ok       sync.Map                       // *route -> requests{route, code="200"}, made on first use
+	duration map[*route]prometheus.Observer // duration{route}
+	upstream sync.Map                       // upstreamKey -> requests{encoder, route, code="200"}
+}
+
+type upstreamKey struct {
+	enc *upstream.Encoder
+	rt  *route
+}
+
+func (m *metrics) initHot() {
+	m.hot.duration = map[*route]prometheus.Observer{}
+	for _, rt := range append(append([]*route{}, routes...), unknownRoute) {
+		m.hot.duration[rt] = m.duration.WithLabelValues(rt.label)
+	}
+}
+
 func (m *metrics) observe(rt *route, code int, d time.Duration) {
-	m.requests.WithLabelValues(rt.label, codeLabel(code)).Inc()
-	m.duration.WithLabelValues(rt.label).Observe(d.Seconds())
+	if code == fasthttp.StatusOK {
+		c, ok := m.hot.ok.Load(rt)
+		if !ok {
+			c, _ = m.hot.ok.LoadOrStore(rt, m.requests.WithLabelValues(rt.label, codeLabel(code)))
+		}
+		c.(prometheus.Counter).Inc()
+	} else {
+		m.requests.WithLabelValues(rt.label, codeLabel(code)).Inc()
+	}
+	if o, ok := m.hot.duration[rt]; ok {
+		o.Observe(d.Seconds())
+	} else {
+		m.duration.WithLabelValues(rt.label).Observe(d.Seconds())
+	}
 }
 
 func (m *metrics) observeUpstream(enc *upstream.Encoder, rt *route, code int, err error) {
@@ -135,6 +171,17 @@ func (m *metrics) observeUpstream(enc *upstream.Encoder, rt *route, code int, er
 		default:
 			label = "error"
 		}
+	}
+	if err == nil && code == fasthttp.StatusOK {
+		// Encoders removed by a reload leave an entry here until restart:
+		// bounded by the names ever configured.
+		k := upstreamKey{enc, rt}
+		c, ok := m.hot.upstream.Load(k)
+		if !ok {
+			c, _ = m.hot.upstream.LoadOrStore(k, m.upstream.WithLabelValues(enc.Name, rt.label, label))
+		}
+		c.(prometheus.Counter).Inc()
+		return
 	}
 	m.upstream.WithLabelValues(enc.Name, rt.label, label).Inc()
 }

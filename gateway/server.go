@@ -101,6 +101,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Handler:               s.serveClient,
 		ErrorHandler:          s.handleReadError,
 		NoDefaultServerHeader: true,
+		LazyRequestTime:       true, // the handler reads its own clock; saves a clock read per request
 		NoDefaultContentType:  true,
 		MaxRequestBodySize:    int(cfg.Limits.MaxBodyBytes),
 		// The read buffer bounds the request line and headers.

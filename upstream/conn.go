@@ -77,10 +77,12 @@ func (c *probedConn) Write(b []byte) (int, error) {
 	return c.Conn.Write(b)
 }
 
-// probe peeks without blocking: EOF or an error means the peer closed.
+// probe peeks without blocking: EOF or an error means the peer closed. It
+// goes around the poller (Control, not Read), so a read deadline left from
+// the last exchange cannot fail it and no readiness is consumed.
 func (c *probedConn) probe() error {
 	var probeErr error
-	err := c.raw.Read(func(fd uintptr) bool {
+	err := c.raw.Control(func(fd uintptr) {
 		var buf [1]byte
 		n, _, rerr := syscall.Recvfrom(int(fd), buf[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
 		switch {
@@ -90,7 +92,6 @@ func (c *probedConn) probe() error {
 		case n == 0:
 			probeErr = errors.New("EOF while idle")
 		}
-		return true // never wait
 	})
 	if err != nil {
 		return err

@@ -21,7 +21,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 )
 
@@ -49,6 +51,18 @@ type Conn struct {
 	readFn  func(fd uintptr) bool
 	sendFn  func(fd uintptr) bool
 	writeFn func(fd uintptr) bool
+	tryFn   func(fd uintptr) bool
+
+	// Deadlines are recorded when set and given to the socket's poller
+	// only when they matter (see SetReadDeadline, SetWriteDeadline): a
+	// proxy sets four or five per request, and each costs a clock read
+	// and a runtime timer update.
+	dl         sync.Mutex
+	rdl        time.Time // read deadline as last set
+	rdlApplied time.Time // read deadline the poller has
+	wdl        time.Time // write deadline as last set
+	reading    bool      // a Read is in progress
+	writeWaits bool      // a write is waiting for buffer space under wdl
 }
 
 // Client wraps a dialled connection: small writes are held until the next
@@ -74,7 +88,67 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	cc.readFn = cc.read
 	cc.sendFn = cc.sendThenRead
 	cc.writeFn = cc.write
+	cc.tryFn = cc.tryWrite
 	return cc
+}
+
+// SetReadDeadline records t; it reaches the poller when the next Read
+// starts (at once while a Read is in progress, so that a waiting Read
+// sees it). A read deadline the poller already has is not set again.
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	c.dl.Lock()
+	defer c.dl.Unlock()
+	c.rdl = t
+	if c.reading {
+		return c.applyReadLocked()
+	}
+	return nil
+}
+
+// SetWriteDeadline records t. It bounds waiting for socket buffer space:
+// a write the socket takes at once succeeds even past its deadline, and a
+// write that must wait is bounded by it (as net.Conn's).
+func (c *Conn) SetWriteDeadline(t time.Time) error {
+	c.dl.Lock()
+	defer c.dl.Unlock()
+	c.wdl = t
+	if c.writeWaits {
+		return c.TCPConn.SetWriteDeadline(t)
+	}
+	return nil
+}
+
+// SetDeadline records both deadlines.
+func (c *Conn) SetDeadline(t time.Time) error {
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return c.SetWriteDeadline(t)
+}
+
+func (c *Conn) applyReadLocked() error {
+	if c.rdl.Equal(c.rdlApplied) {
+		return nil
+	}
+	if err := c.TCPConn.SetReadDeadline(c.rdl); err != nil {
+		return err
+	}
+	c.rdlApplied = c.rdl
+	return nil
+}
+
+// beginRead gives the poller the read deadline as last set.
+func (c *Conn) beginRead() error {
+	c.dl.Lock()
+	defer c.dl.Unlock()
+	c.reading = true
+	return c.applyReadLocked()
+}
+
+func (c *Conn) endRead() {
+	c.dl.Lock()
+	c.reading = false
+	c.dl.Unlock()
 }
 
 // Read reads into p. On a client with a held request, the request is sent
@@ -85,12 +159,17 @@ func (c *Conn) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	if err := c.beginRead(); err != nil {
+		c.endRead()
+		return 0, c.opError("read", err)
+	}
 	c.buf, c.n, c.err, c.sent = p, 0, nil, false
 	fn := c.readFn
 	if len(c.held) > 0 {
 		fn = c.sendFn
 	}
 	rerr := c.rc.Read(fn)
+	c.endRead()
 	n, err := c.n, c.err
 	c.buf, c.err = nil, nil
 	if len(c.held) > 0 && err == nil && rerr == nil {
@@ -189,11 +268,15 @@ func (c *Conn) flush() error {
 	return err
 }
 
-// send writes all of b with raw syscalls, waiting for buffer space (and
-// honouring the write deadline) when the socket is full.
+// send writes all of b with raw syscalls. The poller's write deadline is
+// none except while a write waits for buffer space: then it is the one
+// last set, and none again after.
 func (c *Conn) send(b []byte) (int, error) {
 	c.buf, c.n, c.err = b, 0, nil
-	werr := c.rc.Write(c.writeFn)
+	werr := c.rc.Write(c.tryFn)
+	if werr == nil && c.err == nil && c.n < len(b) {
+		werr = c.sendWaiting()
+	}
 	n, err := c.n, c.err
 	c.buf, c.err = nil, nil
 	if werr != nil {
@@ -203,6 +286,31 @@ func (c *Conn) send(b []byte) (int, error) {
 		return n, c.opError("write", err)
 	}
 	return n, nil
+}
+
+// sendWaiting finishes a send that found the socket buffer full, under the
+// write deadline.
+func (c *Conn) sendWaiting() error {
+	c.dl.Lock()
+	c.writeWaits = true
+	err := c.TCPConn.SetWriteDeadline(c.wdl)
+	c.dl.Unlock()
+	if err == nil {
+		err = c.rc.Write(c.writeFn)
+	}
+	c.dl.Lock()
+	c.writeWaits = false
+	if derr := c.TCPConn.SetWriteDeadline(time.Time{}); err == nil {
+		err = derr
+	}
+	c.dl.Unlock()
+	return err
+}
+
+// tryWrite is the RawConn callback of send's first pass: it never waits.
+func (c *Conn) tryWrite(fd uintptr) bool {
+	c.write(fd)
+	return true
 }
 
 // write is the RawConn callback of send; false means wait for space.

@@ -353,3 +353,61 @@ func TestReadFromSendsHeldBytesFirst(t *testing.T) {
 		t.Fatalf("peer read %q, %v", got, err)
 	}
 }
+
+func TestDeadlineSetWhileReadingWakesTheRead(t *testing.T) {
+	c, _ := pair(t, Server)
+	cc := c.(*Conn)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Read(make([]byte, 8))
+		errc <- err
+	}()
+	// Wait until the Read is in progress (it holds reading=true), then
+	// set a deadline that has passed: the waiting Read must return.
+	for {
+		cc.dl.Lock()
+		r := cc.reading
+		cc.dl.Unlock()
+		if r {
+			break
+		}
+		time.Sleep(time.Millisecond) // polling a state, not synchronising on time
+	}
+	if err := c.SetReadDeadline(time.Now().Add(-time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Read returned %v, want a deadline error", err)
+	}
+}
+
+func TestPassedReadDeadlineFailsTheNextRead(t *testing.T) {
+	c, peer := pair(t, Server)
+	if _, err := peer.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(-time.Second))
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Read = %v, want a deadline error as net.Conn gives", err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	if n, err := c.Read(make([]byte, 1)); n != 1 || err != nil {
+		t.Fatalf("Read after clearing the deadline = %d, %v", n, err)
+	}
+}
+
+func TestWriteThatMustWaitHonoursTheWriteDeadline(t *testing.T) {
+	c, peer := pair(t, Server)
+	_ = c.(*Conn).SetWriteBuffer(1)
+	_ = peer.(*net.TCPConn).SetReadBuffer(1)
+	// The peer never reads: a large write fills both buffers and waits.
+	_ = c.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
+	n, err := c.Write(make([]byte, 8<<20))
+	if !errors.Is(err, os.ErrDeadlineExceeded) || n >= 8<<20 {
+		t.Fatalf("Write = %d, %v; want a short write and a deadline error", n, err)
+	}
+	var oe *net.OpError
+	if !errors.As(err, &oe) || oe.Op != "write" {
+		t.Fatalf("err = %#v, want *net.OpError with Op write", err)
+	}
+}
