@@ -100,13 +100,12 @@ func (t *PinTable) store(reqID string, p Pin) {
 	s.mu.Unlock()
 }
 
-// makeRoom drops expired entries of a full shard, or failing that the entry
-// nearest to expiry among a few (map order is random). s.mu is held.
+// makeRoom drops one entry of a full shard: an expired one, or failing that
+// the entry nearest to expiry, among a few (map order is random). It never
+// walks the whole shard: a table full of live pins would otherwise scan
+// max_pins/64 entries on every new req_id; Sweep removes the rest of the
+// expired ones. s.mu is held.
 func (t *PinTable) makeRoom(s *pinShard, now int64) {
-	removed := t.sweepShard(s, now)
-	if removed > 0 {
-		return
-	}
 	var victim string
 	var soonest int64
 	n := 0
@@ -114,13 +113,15 @@ func (t *PinTable) makeRoom(s *pinShard, now int64) {
 		if n == 0 || e.expires < soonest {
 			victim, soonest = k, e.expires
 		}
-		if n++; n == 8 {
+		if n++; n == 8 || soonest <= now {
 			break
 		}
 	}
 	delete(s.m, victim)
 	t.count.Add(-1)
-	t.evictions.Add(1)
+	if soonest > now {
+		t.evictions.Add(1)
+	}
 }
 
 // Get returns reqID's pin if it has one that has not expired.
