@@ -27,6 +27,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -116,6 +117,12 @@ type Options struct {
 	// rank's /send can reach the agent before the embedding does. An error
 	// fails the /encode with 500 "Internal encoding error: staging: ...".
 	Stage func(ctx context.Context, reqID string, tokens, dim, elementSize int) error
+	// EchoSend makes a successful /send answer
+	// {"req_id":R,"destination":"host:port"} instead of sglang's null, so a
+	// test can tell whose answer a caller got (a gateway that passes bodies
+	// through and replays them must hand each caller its own). Off by
+	// default: the fake then answers exactly as sglang does.
+	EchoSend bool
 	// Faults are the initial faults; change them with SetFaults.
 	Faults Faults
 }
@@ -151,6 +158,35 @@ type Faults struct {
 	HealthFail bool
 	// HealthHang makes /health and /health_generate never answer.
 	HealthHang bool
+	// HealthFlap makes /health and /health_generate flap: HealthFlap
+	// answers 200, then HealthFlap answers 503, and so on, counted from the
+	// last SetFaults. 0 turns it off.
+	HealthFlap int
+	// CrashAt crashes the encoder (see Crash) once the CrashAt-th request on
+	// CrashRoutes, counted from the last SetFaults, has been read and
+	// before it is handled: that request and every other one in flight get
+	// a reset connection and no answer. It fires once (CrashAt goes back to
+	// 0); the encoder stays down until Restart. 0 never crashes.
+	CrashAt int
+	// CrashRoutes are the paths CrashAt counts. Empty means /encode, /send,
+	// /scheduler_receive_meta_data and /scheduler_receive_url.
+	CrashRoutes []string
+	// Truncate handles each request on TruncateRoutes normally (the encoder
+	// does the work), then sends an answer whose Content-Length is larger
+	// than the bytes that follow (half the body) and closes the connection,
+	// as a process dying mid-write does.
+	Truncate bool
+	// TruncateRoutes are the paths Truncate applies to. Empty means /encode,
+	// /send, /scheduler_receive_meta_data and /scheduler_receive_url.
+	TruncateRoutes []string
+}
+
+// clone returns f with its slices copied.
+func (f Faults) clone() Faults {
+	f.FailRoutes = append([]string(nil), f.FailRoutes...)
+	f.CrashRoutes = append([]string(nil), f.CrashRoutes...)
+	f.TruncateRoutes = append([]string(nil), f.TruncateRoutes...)
+	return f
 }
 
 // Encoder is a fake sglang encoder. It is safe for concurrent use.
@@ -175,8 +211,14 @@ type Encoder struct {
 	stats    statsData             // counters behind Stats
 	profile  profileState          // /start_profile, /stop_profile
 	sweeping bool                  // sweeper goroutine started
-	inflight sync.WaitGroup        // handlers running; Add only under mu
+	crashN   int                   // requests counted towards Faults.CrashAt
+	healthN  int                   // health answers counted for Faults.HealthFlap
+	inflight sync.WaitGroup        // handlers running; Add only under mu (never while down or closed)
 	bg       sync.WaitGroup        // sweeper, servers, background sends
+
+	down   atomic.Bool // crashed and not yet restarted; set under mu
+	connMu sync.Mutex  // protects conns
+	conns  map[net.Conn]struct{}
 
 	lnMu     sync.Mutex // serialises listener changes; protects below
 	srv      *http.Server
@@ -207,6 +249,7 @@ func New(opts Options) *Encoder {
 		watches:  map[string]*watch{},
 		waiting:  map[string]int{},
 		stats:    newStatsData(),
+		conns:    map[net.Conn]struct{}{},
 	}
 	e.handler = http.HandlerFunc(e.serveHTTP)
 	return e
@@ -259,7 +302,7 @@ func (e *Encoder) Start(addr string) error {
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	e.bindHost = host
 	e.addr = net.JoinHostPort(dialHost(host), port)
-	e.srv = &http.Server{Handler: e.handler, ReadHeaderTimeout: 30 * time.Second}
+	e.srv = &http.Server{Handler: e.handler, ReadHeaderTimeout: 30 * time.Second, ConnState: e.connState}
 	if e.Faults().Refuse {
 		e.srv.SetKeepAlivesEnabled(false)
 		return ln.Close()
@@ -316,23 +359,23 @@ func (e *Encoder) URL() string { return "http://" + e.Addr() }
 func (e *Encoder) Faults() Faults {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	f := e.faults
-	f.FailRoutes = append([]string(nil), f.FailRoutes...)
-	return f
+	return e.faults.clone()
 }
 
-// SetFaults replaces the faults in effect; safe while serving. Turning Refuse
-// on closes the listener and idle connections (in-flight requests finish);
-// turning it off listens again on the same address, retrying for up to a
-// second if the port is briefly unavailable.
+// SetFaults replaces the faults in effect; safe while serving. It restarts
+// the CrashAt and HealthFlap counts. Turning Refuse on closes the listener
+// and idle connections (in-flight requests finish); turning it off listens
+// again on the same address, retrying for up to a second if the port is
+// briefly unavailable. A crashed encoder stays down until Restart.
 func (e *Encoder) SetFaults(f Faults) {
-	f.FailRoutes = append([]string(nil), f.FailRoutes...)
+	f = f.clone()
 	e.lnMu.Lock()
 	defer e.lnMu.Unlock()
 	e.mu.Lock()
 	e.faults = f
+	e.crashN, e.healthN = 0, 0
 	e.mu.Unlock()
-	if e.srv == nil {
+	if e.srv == nil || e.down.Load() {
 		return
 	}
 	switch {
@@ -342,26 +385,28 @@ func (e *Encoder) SetFaults(f Faults) {
 		e.ln = nil
 	case !f.Refuse && e.ln == nil:
 		e.srv.SetKeepAlivesEnabled(true)
-		e.relistenLocked()
+		_ = e.relistenLocked()
 	}
 }
 
-// relistenLocked listens again on the started address. lnMu must be held.
-func (e *Encoder) relistenLocked() {
+// relistenLocked listens again on the started address, retrying for up to
+// a second while the port is unavailable. lnMu must be held.
+func (e *Encoder) relistenLocked() error {
 	_, port, _ := net.SplitHostPort(e.addr)
 	addr := net.JoinHostPort(e.bindHost, port)
+	var err error
 	for i := 0; i < 50; i++ {
-		ln, err := net.Listen("tcp", addr)
-		if err == nil {
-			_ = e.serveLocked(ln)
-			return
+		var ln net.Listener
+		if ln, err = net.Listen("tcp", addr); err == nil {
+			return e.serveLocked(ln)
 		}
 		select {
 		case <-e.done:
-			return
+			return errors.New("fakeencoder: closed")
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+	return fmt.Errorf("fakeencoder: listening again on %s: %w", addr, err)
 }
 
 // Close stops serving, stops the sweeper and background work, releases every
@@ -417,17 +462,27 @@ func (f *Faults) bindFlags(fs *flag.FlagSet) {
 	fs.Float64Var(&f.FailureRate, "failure-rate", f.FailureRate, "fault: probability that a request on the fail routes fails")
 	fs.IntVar(&f.FailStatus, "fail-status", f.FailStatus, "fault: status of injected failures (0 = 500)")
 	fs.StringVar(&f.FailMessage, "fail-message", f.FailMessage, "fault: message of injected failures (empty = default)")
-	fs.Func("fail-routes", "fault: comma-separated routes --failure-rate applies to (default the four encoder POST routes)", func(s string) error {
-		f.FailRoutes = nil
-		for _, r := range strings.Split(s, ",") {
-			if r = strings.TrimSpace(r); r != "" {
-				f.FailRoutes = append(f.FailRoutes, r)
-			}
-		}
-		return nil
-	})
+	fs.Func("fail-routes", "fault: comma-separated routes --failure-rate applies to (default the four encoder POST routes)", routeList(&f.FailRoutes))
 	fs.BoolVar(&f.Hang, "hang", f.Hang, "fault: read requests but never answer")
 	fs.BoolVar(&f.Refuse, "refuse", f.Refuse, "fault: refuse connections")
 	fs.BoolVar(&f.HealthFail, "health-fail", f.HealthFail, "fault: /health answers 503")
 	fs.BoolVar(&f.HealthHang, "health-hang", f.HealthHang, "fault: /health never answers")
+	fs.IntVar(&f.HealthFlap, "health-flap", f.HealthFlap, "fault: /health answers N times 200, then N times 503, and so on (0 = off)")
+	fs.IntVar(&f.CrashAt, "crash-at", f.CrashAt, "fault: crash (reset every connection, refuse new ones) when the Nth request on the crash routes arrives (0 = never)")
+	fs.Func("crash-routes", "fault: comma-separated routes --crash-at counts (default the four encoder POST routes)", routeList(&f.CrashRoutes))
+	fs.BoolVar(&f.Truncate, "truncate", f.Truncate, "fault: answers on the truncate routes declare more bytes than they send, then the connection closes")
+	fs.Func("truncate-routes", "fault: comma-separated routes --truncate applies to (default the four encoder POST routes)", routeList(&f.TruncateRoutes))
+}
+
+// routeList parses a comma-separated list of routes into *dst.
+func routeList(dst *[]string) func(string) error {
+	return func(s string) error {
+		*dst = nil
+		for _, r := range strings.Split(s, ",") {
+			if r = strings.TrimSpace(r); r != "" {
+				*dst = append(*dst, r)
+			}
+		}
+		return nil
+	}
 }

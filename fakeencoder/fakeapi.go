@@ -20,6 +20,11 @@ type faultsJSON struct {
 	Refuse        bool     `json:"refuse,omitempty"`
 	HealthFail    bool     `json:"health_fail,omitempty"`
 	HealthHang    bool     `json:"health_hang,omitempty"`
+	HealthFlap    int      `json:"health_flap,omitempty"`
+	CrashAt       int      `json:"crash_at,omitempty"`
+	CrashRoutes   []string `json:"crash_routes,omitempty"`
+	Truncate      bool     `json:"truncate,omitempty"`
+	TruncRoutes   []string `json:"truncate_routes,omitempty"`
 }
 
 // toJSON converts f for /_fake/faults.
@@ -35,6 +40,8 @@ func (f Faults) toJSON() faultsJSON {
 		Leading504s: f.Leading504s, FailureRate: f.FailureRate,
 		FailStatus: f.FailStatus, FailMessage: f.FailMessage, FailRoutes: f.FailRoutes,
 		Hang: f.Hang, Refuse: f.Refuse, HealthFail: f.HealthFail, HealthHang: f.HealthHang,
+		HealthFlap: f.HealthFlap, CrashAt: f.CrashAt, CrashRoutes: f.CrashRoutes,
+		Truncate: f.Truncate, TruncRoutes: f.TruncateRoutes,
 	}
 }
 
@@ -44,6 +51,8 @@ func (j faultsJSON) faults() (Faults, error) {
 		Leading504s: j.Leading504s, FailureRate: j.FailureRate,
 		FailStatus: j.FailStatus, FailMessage: j.FailMessage, FailRoutes: j.FailRoutes,
 		Hang: j.Hang, Refuse: j.Refuse, HealthFail: j.HealthFail, HealthHang: j.HealthHang,
+		HealthFlap: j.HealthFlap, CrashAt: j.CrashAt, CrashRoutes: j.CrashRoutes,
+		Truncate: j.Truncate, TruncateRoutes: j.TruncRoutes,
 	}
 	for _, p := range []struct {
 		s string

@@ -208,12 +208,13 @@ func TestStatsAndControlRoutes(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Stats{
-		Name:    "enc-a",
-		Routes:  map[string]int64{RouteEncode: 2, RouteMetadata: 1, "/nope": 1},
-		ReqIDs:  map[string]map[string]int64{"s1": {RouteEncode: 1, RouteMetadata: 1}},
-		Sends:   map[string]int64{},
-		Staged:  1,
-		Waiting: map[string]int{},
+		Name:         "enc-a",
+		Routes:       map[string]int64{RouteEncode: 2, RouteMetadata: 1, "/nope": 1},
+		ReqIDs:       map[string]map[string]int64{"s1": {RouteEncode: 1, RouteMetadata: 1}},
+		Sends:        map[string]int64{},
+		SendArrivals: map[string]int64{},
+		Staged:       1,
+		Waiting:      map[string]int{},
 	}
 	if !reflect.DeepEqual(s, want) {
 		t.Fatalf("stats\n got %+v\nwant %+v", s, want)
@@ -242,6 +243,7 @@ func TestBindFlags(t *testing.T) {
 		"--name=e1", "--mode=zmq", "--encode-latency=5ms", "--metadata-timeout=2s", "--sweep-after=1m",
 		"--refcount-calls", "--latency=1ms", "--metadata-delay=3ms", "--leading-504s=2", "--failure-rate=0.25",
 		"--fail-status=503", "--fail-message=boom", "--fail-routes=/send, /encode", "--hang", "--refuse", "--health-fail",
+		"--health-flap=3", "--crash-at=2", "--crash-routes=/send", "--truncate", "--truncate-routes=/encode,/send",
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -253,7 +255,8 @@ func TestBindFlags(t *testing.T) {
 		Faults: Faults{
 			Latency: time.Millisecond, MetadataDelay: 3 * time.Millisecond, Leading504s: 2, FailureRate: 0.25,
 			FailStatus: 503, FailMessage: "boom", FailRoutes: []string{RouteSend, RouteEncode},
-			Hang: true, Refuse: true, HealthFail: true,
+			Hang: true, Refuse: true, HealthFail: true, HealthFlap: 3, CrashAt: 2, CrashRoutes: []string{RouteSend},
+			Truncate: true, TruncateRoutes: []string{RouteEncode, RouteSend},
 		},
 	}
 	if !reflect.DeepEqual(o, want) {

@@ -65,7 +65,12 @@ func (e *Encoder) handleSend(w http.ResponseWriter, r *http.Request, req *reques
 			return
 		}
 	}
-	e.send(r, id, req.field("receive_count"), dest).write(w, req.rawID)
+	o := e.send(r, id, req.field("receive_count"), dest)
+	if o.status == http.StatusOK && e.opts.EchoSend {
+		o.body = append(append([]byte(`{"req_id":`), req.rawID...), `,"destination":`...)
+		o.body = append(appendJSONString(o.body, dest), '}')
+	}
+	o.write(w, req.rawID)
 }
 
 // destination is NetworkAddress(prefill_host, embedding_port).to_host_port_str().

@@ -96,11 +96,11 @@ func (q *request) close() {
 	}
 }
 
-// enter registers a running handler; false once closed.
+// enter registers a running handler; false once closed or while crashed.
 func (e *Encoder) enter() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.closed {
+	if e.closed || e.down.Load() {
 		return false
 	}
 	e.inflight.Add(1)
@@ -110,6 +110,9 @@ func (e *Encoder) enter() bool {
 // serveHTTP is the encoder's http.Handler.
 func (e *Encoder) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	if !e.enter() {
+		if e.down.Load() {
+			panic(http.ErrAbortHandler) // a crashed encoder answers nothing
+		}
 		writeEmpty(w, http.StatusServiceUnavailable)
 		return
 	}
@@ -124,7 +127,22 @@ func (e *Encoder) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer req.close()
-	e.countRequest(req.route, req.statsID())
+	e.countRequest(req)
+	if e.crashDue(req.route) {
+		e.kill() // read, never answered: the connection is reset
+		return
+	}
+	if e.truncates(req.route) {
+		rec := newRecorder()
+		e.handle(rec, r, req)
+		rec.sendTruncated(w)
+		return
+	}
+	e.handle(w, r, req)
+}
+
+// handle applies the faults, then routes the request.
+func (e *Encoder) handle(w http.ResponseWriter, r *http.Request, req *request) {
 	if !e.applyFaults(w, r, req) {
 		return
 	}
@@ -190,11 +208,7 @@ func (e *Encoder) applyFaults(w http.ResponseWriter, r *http.Request, req *reque
 	if f.FailureRate <= 0 {
 		return true
 	}
-	failRoutes := f.FailRoutes
-	if len(failRoutes) == 0 {
-		failRoutes = defaultFailRoutes
-	}
-	if !slices.Contains(failRoutes, req.route) || !e.roll(f.FailureRate) {
+	if !onRoutes(f.FailRoutes, req.route) || !e.roll(f.FailureRate) {
 		return true
 	}
 	status, msg := f.FailStatus, f.FailMessage
@@ -216,13 +230,14 @@ func (e *Encoder) roll(p float64) bool {
 }
 
 // handleHealth answers GET /health and /health_generate: an empty 200, or
-// 503 with HealthFail, or nothing with HealthHang.
+// 503 with HealthFail or the failing turns of HealthFlap, or nothing with
+// HealthHang.
 func (e *Encoder) handleHealth(w http.ResponseWriter, r *http.Request, req *request) {
 	f := e.Faults()
 	switch {
 	case f.HealthHang:
 		e.sleep(r.Context(), req.route, -1)
-	case f.HealthFail:
+	case f.HealthFail, e.healthFlapFails():
 		writeEmpty(w, http.StatusServiceUnavailable)
 	default:
 		writeEmpty(w, http.StatusOK)

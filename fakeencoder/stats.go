@@ -18,6 +18,11 @@ type Stats struct {
 	// Sends counts the /send calls that reached the encoder logic (after
 	// faults), keyed "req_id|prefill_host:embedding_port".
 	Sends map[string]int64 `json:"sends"`
+	// SendArrivals counts the /send calls that arrived, keyed as Sends but
+	// counted as soon as the body is read, before any fault: the ones that
+	// crashed the encoder, hung, failed or were answered truncated included.
+	// It is what "a /send reached the encoder" means.
+	SendArrivals map[string]int64 `json:"send_arrivals"`
 	// Staged is the number of req_ids with live request state.
 	Staged int `json:"staged"`
 	// Waiting counts the handlers blocked right now, per route: metadata,
@@ -27,24 +32,35 @@ type Stats struct {
 
 // statsData holds the counters behind Stats; guarded by Encoder.mu.
 type statsData struct {
-	routes map[string]int64
-	reqIDs map[string]map[string]int64
-	sends  map[string]int64
+	routes   map[string]int64
+	reqIDs   map[string]map[string]int64
+	sends    map[string]int64
+	arrivals map[string]int64
 }
 
 func newStatsData() statsData {
 	return statsData{
-		routes: map[string]int64{},
-		reqIDs: map[string]map[string]int64{},
-		sends:  map[string]int64{},
+		routes:   map[string]int64{},
+		reqIDs:   map[string]map[string]int64{},
+		sends:    map[string]int64{},
+		arrivals: map[string]int64{},
 	}
 }
 
-// countRequest records one received request. reqID "" is not recorded.
-func (e *Encoder) countRequest(route, reqID string) {
+// countRequest records one received request: its route, its string req_id
+// and, for a /send with a req_id, its arrival per destination.
+func (e *Encoder) countRequest(req *request) {
+	route, reqID := req.route, req.statsID()
+	var arrival string
+	if route == RouteSend && req.idVal != nil {
+		arrival = req.id() + "|" + destination(req.field("prefill_host"), req.field("embedding_port"))
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.stats.routes[route]++
+	if arrival != "" {
+		e.stats.arrivals[arrival]++
+	}
 	if reqID == "" {
 		return
 	}
@@ -61,12 +77,13 @@ func (e *Encoder) Stats() Stats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := Stats{
-		Name:    e.opts.Name,
-		Routes:  maps.Clone(e.stats.routes),
-		ReqIDs:  make(map[string]map[string]int64, len(e.stats.reqIDs)),
-		Sends:   maps.Clone(e.stats.sends),
-		Staged:  len(e.states),
-		Waiting: maps.Clone(e.waiting),
+		Name:         e.opts.Name,
+		Routes:       maps.Clone(e.stats.routes),
+		ReqIDs:       make(map[string]map[string]int64, len(e.stats.reqIDs)),
+		Sends:        maps.Clone(e.stats.sends),
+		SendArrivals: maps.Clone(e.stats.arrivals),
+		Staged:       len(e.states),
+		Waiting:      maps.Clone(e.waiting),
 	}
 	for id, m := range e.stats.reqIDs {
 		s.ReqIDs[id] = maps.Clone(m)
