@@ -638,7 +638,7 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 		"  checksums verified at the receiver: %d of %d landings (%.1f MiB), %d corrupt\n",
 		r.BytesMoved/(1<<20), r.Landed, tokensPerItem*dim*2>>10, gbps, mean,
 		r.Verified, r.Landed, float64(r.BytesVerified)/(1<<20), r.Corrupt)
-	fmt.Fprintf(w, "acks: %d of %d delivered /sends acked over ZMQ on the rank's PULL socket before it counted the part ready, each the part's frame (%d wrong, %d missing)\n"+
+	fmt.Fprintf(w, "acks: %d of %d delivered /sends acked on the rank's ZMQ PULL socket with the part's frame (%d wrong, %d missing)\n"+
 		"  agents: %.0f sent, %.0f failed, %.0f skipped\n",
 		r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks["sent"], r.AgentAcks["failed"], r.AgentAcks["skipped"])
 	fmt.Fprintf(w, "errors by kind (each from an injected fault: media that failed to load, or the flaky encoder):\n")
