@@ -252,6 +252,7 @@ type partResult struct {
 	encoder string // X-Encgate-Encoder of the /encode answer
 	status  []int  // every status, in order
 	ok      bool   // every call answered 200
+	last    string // the body of the last answer that was not a 200
 }
 
 func sendDest(rank int) string { return "10.0.0.1:" + strconv.Itoa(40000+rank) }
@@ -269,6 +270,7 @@ func (c *chaos) part(id string) partResult {
 	res.encoder = a.header.Get("X-Encgate-Encoder")
 	res.status = append(res.status, a.status)
 	if a.status != http.StatusOK {
+		res.last = a.body
 		return res
 	}
 	m, ok := c.call(routeMetadata, id, metaBody(id), "")
@@ -277,6 +279,7 @@ func (c *chaos) part(id string) partResult {
 	}
 	res.status = append(res.status, m.status)
 	if m.status != http.StatusOK {
+		res.last = m.body
 		return res
 	}
 	res.status = append(res.status, c.sends(id)...)
@@ -372,7 +375,8 @@ func (c *chaos) transitions(name string, from, to upstream.BreakerState) float64
 // the open state by itself (its timer), and an /encode owned by name (from
 // ids, in turn) was answered 200 by name with its breaker closed. Each try
 // is a real /encode: a half-open breaker closes on a request that succeeds.
-func (c *chaos) awaitReturn(name string, ids []string) {
+// It returns the ids it did not use.
+func (c *chaos) awaitReturn(name string, ids []string) []string {
 	c.t.Helper()
 	e := c.encoder(name)
 	i := 0
@@ -393,6 +397,7 @@ func (c *chaos) awaitReturn(name string, ids []string) {
 	if closed := c.transitions(name, upstream.BreakerHalfOpen, upstream.BreakerClosed); opened > 0 && closed < 1 {
 		c.t.Errorf("%s: breaker back in service without a half_open->closed transition", name)
 	}
+	return ids[i:]
 }
 
 // check asserts the delivery invariant over everything the fleet received:
@@ -914,10 +919,11 @@ var chaosFaults = []struct {
 }
 
 // mixedRounds runs rounds of mixed faults until more() is false: each round
-// puts a drawn fault on two drawn encoders, runs 16 parts at once, then
-// heals them. At the end every encoder must take new work again and a
-// clean wave must succeed everywhere.
-func mixedRounds(t *testing.T, more func(round int) bool) {
+// puts a drawn fault on two drawn encoders, runs 16 parts at once, heals
+// them, and waits until both take new work again. backIDs is how many
+// req_ids owned by each encoder to set aside for that. At the end a clean
+// wave must succeed everywhere.
+func mixedRounds(t *testing.T, backIDs int, more func(round int) bool) {
 	seed := *chaosSeed
 	if seed == 0 {
 		seed = uint64(time.Now().UnixNano())
@@ -928,7 +934,7 @@ func mixedRounds(t *testing.T, more func(round int) bool) {
 	back := map[string][]string{}
 	for i := range c.encs {
 		name := "enc-" + strconv.Itoa(i)
-		back[name] = c.owned("mixed-back", name, 200)
+		back[name] = c.owned("mixed-back", name, backIDs)
 	}
 	perTry := c.cfg.Retry.Encode.PerTryTimeout.D()
 	rounds := 0
@@ -940,8 +946,8 @@ func mixedRounds(t *testing.T, more func(round int) bool) {
 			f.apply(c.encs[i], rnd, perTry)
 			drawn = append(drawn, fmt.Sprintf("enc-%d:%s", i, f.name))
 		}
-		t.Logf("round %d: %v", rounds, drawn)
-		c.wave(ids(fmt.Sprintf("mixed-%d", rounds), 16))
+		results := c.wave(ids(fmt.Sprintf("mixed-%d", rounds), 16))
+		t.Logf("round %d: %v: %s", rounds, drawn, summarize(results))
 		for _, i := range victims {
 			if c.encs[i].Crashed() {
 				if err := c.encs[i].Restart(); err != nil {
@@ -950,9 +956,10 @@ func mixedRounds(t *testing.T, more func(round int) bool) {
 			}
 			c.encs[i].SetFaults(fakeencoder.Faults{})
 		}
-	}
-	for name, ids := range back {
-		c.awaitReturn(name, ids)
+		for _, i := range victims {
+			name := "enc-" + strconv.Itoa(i)
+			back[name] = c.awaitReturn(name, back[name])
+		}
 	}
 	for _, r := range c.wave(ids("mixed-final", 16)) {
 		if !r.ok {
@@ -963,10 +970,38 @@ func mixedRounds(t *testing.T, more func(round int) bool) {
 	t.Logf("%d rounds", rounds)
 }
 
+// summarize counts parts by how far they got: "ok" or the failing route
+// and status ("encode:503"), with one failing /encode or metadata answer of
+// each kind.
+func summarize(results []partResult) string {
+	counts := map[string]int{}
+	examples := map[string]string{}
+	for _, r := range results {
+		switch {
+		case r.ok:
+			counts["ok"]++
+		case len(r.status) == 0:
+			counts["unanswered"]++
+		default:
+			step := [...]string{"encode", "metadata"}
+			at := "send"
+			if i := len(r.status) - 1; i < len(step) {
+				at = step[i]
+			}
+			kind := fmt.Sprintf("%s:%d", at, r.status[len(r.status)-1])
+			counts[kind]++
+			if r.last != "" {
+				examples[kind] = r.last
+			}
+		}
+	}
+	return fmt.Sprint(counts, examples)
+}
+
 // TestChaosMixedFaults runs three rounds of mixed faults.
 func TestChaosMixedFaults(t *testing.T) {
 	chaosLeakCheck(t)
-	mixedRounds(t, func(round int) bool { return round < 3 })
+	mixedRounds(t, 100, func(round int) bool { return round < 3 })
 }
 
 // TestChaosSoak runs mixed-fault rounds for -chaos.soak.
@@ -976,7 +1011,7 @@ func TestChaosSoak(t *testing.T) {
 	}
 	chaosLeakCheck(t)
 	end := time.Now().Add(*chaosSoak)
-	mixedRounds(t, func(int) bool { return time.Now().Before(end) })
+	mixedRounds(t, 5000, func(int) bool { return time.Now().Before(end) })
 }
 
 // heapInUse returns the live heap after full collections (two: the
