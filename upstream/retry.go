@@ -383,8 +383,8 @@ func (p *RetryPolicy) Backoff(n int, u float64, retryAfter time.Duration) time.D
 		w = d
 	}
 	w = math.Max(w, floor)
-	if w >= math.MaxInt64 { // float64(MaxInt64) is 2^63, which overflows a Duration
-		return time.Duration(math.MaxInt64)
+	if w >= maxB { // float64 rounding can put maxB above MaxBackoff (up to 2^63, which overflows)
+		return max(p.MaxBackoff.D(), 0)
 	}
 	return time.Duration(math.Round(w))
 }

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"go.uber.org/zap/zapcore"
 	"go.yaml.in/yaml/v3"
@@ -44,7 +45,7 @@ func Decode(data []byte, dst any) error {
 		}
 		var te *yaml.TypeError
 		if !errors.As(err, &te) {
-			return fmt.Errorf("parsing config: %w", err)
+			return fmt.Errorf("parsing config: %s%w", lineOf(data, err), err)
 		}
 		return newDecodeError(data, te.Errors)
 	}
@@ -53,6 +54,25 @@ func Decode(data []byte, dst any) error {
 		return errors.New("parsing config: more than one YAML document")
 	}
 	return nil
+}
+
+// lineOf returns "line N: " for a YAML syntax error that names no line:
+// yaml.v3 leaves it out for a character YAML does not allow (reported at the
+// first one) and for a problem on the first line.
+func lineOf(data []byte, err error) string {
+	if strings.Contains(err.Error(), "line ") {
+		return ""
+	}
+	at := 0
+	for i, r := range string(data) {
+		ok := r == '\t' || r == '\n' || r == '\r' || r >= 0x20 && r <= 0x7e || r == 0x85 ||
+			r >= 0xa0 && r <= 0xd7ff || r >= 0xe000 && r <= 0xfffd || r >= 0x10000
+		if !ok || r == utf8.RuneError && !strings.HasPrefix(string(data[i:]), "\ufffd") {
+			at = i
+			break
+		}
+	}
+	return "line " + strconv.Itoa(1+bytes.Count(data[:at], []byte("\n"))) + ": "
 }
 
 // DecodeError lists the keys that could not be decoded, each as
@@ -65,8 +85,8 @@ func (e *DecodeError) Error() string { return errors.Join(e.Problems...).Error()
 func (e *DecodeError) Unwrap() []error { return e.Problems }
 
 var (
-	lineRE    = regexp.MustCompile(`^line (\d+)(?:, column (\d+))?: (.*)$`)
-	unknownRE = regexp.MustCompile(`^field (\S+) not found in type .*$`)
+	lineRE    = regexp.MustCompile(`(?s)^line (\d+)(?:, column (\d+))?: (.*)$`) // a message may quote a multi-line value
+	unknownRE = regexp.MustCompile(`(?s)^field (\S+) not found in type .*$`)
 )
 
 func newDecodeError(data []byte, msgs []string) *DecodeError {
@@ -205,7 +225,7 @@ func ParseByteSize(s string) (ByteSize, error) {
 		}
 	}
 	n, err := strconv.ParseInt(num, 10, 64)
-	if err != nil || n < 0 || (mult > 1 && n > (1<<62)/mult) {
+	if err != nil || n < 0 || n > (1<<63-1)/mult { // every value String writes reads back
 		return 0, fmt.Errorf("%q is not a byte size (want e.g. 8MiB, 64KiB, 1048576)", s)
 	}
 	return ByteSize(n * mult), nil
