@@ -82,7 +82,8 @@ func (s *Server) attempt(c *call, pick picker, limit time.Duration) (delivered b
 // exchange is one attempt with c.enc: the breaker is told the outcome when
 // it admits the request. A follow-up goes even when a half-open breaker has
 // no probe slot free (its state cannot move elsewhere); it is then not
-// counted.
+// counted. An /encode does not: it is refused unsent, and its policy may
+// send it to the next encoder.
 func (s *Server) exchange(c *call, timeout time.Duration) error {
 	if timeout <= 0 {
 		return fasthttp.ErrTimeout
@@ -92,6 +93,9 @@ func (s *Server) exchange(c *call, timeout time.Duration) error {
 	// Content-Type must reach the caller without one.
 	c.ctx.Response.Header.SetNoDefaultContentType(true)
 	done, counted := c.enc.Breaker.Allow()
+	if !counted && c.route.kind == kindEncode {
+		return &upstream.BreakerBusyError{Encoder: c.enc.Name, State: c.enc.Breaker.State().String()}
+	}
 	err := s.forward(c, timeout)
 	if counted {
 		done(s.outcome(c, err))

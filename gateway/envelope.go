@@ -46,6 +46,7 @@ func statusFor(err error) int {
 	var unknown *upstream.UnknownEncoderError
 	var unusable *upstream.UnusableEncoderError
 	var limit *upstream.InflightLimitError
+	var busy *upstream.BreakerBusyError
 	var bad *requestError
 	switch {
 	case errors.As(err, &bad):
@@ -53,7 +54,7 @@ func statusFor(err error) int {
 	case errors.Is(err, errRequestTooLarge):
 		return fasthttp.StatusRequestEntityTooLarge
 	case errors.Is(err, upstream.ErrNoEncoder), errors.As(err, &unknown), errors.As(err, &unusable),
-		errors.As(err, &limit), errors.Is(err, fasthttp.ErrNoFreeConns):
+		errors.As(err, &limit), errors.As(err, &busy), errors.Is(err, fasthttp.ErrNoFreeConns):
 		return fasthttp.StatusServiceUnavailable
 	case errors.As(err, &dial):
 		return fasthttp.StatusBadGateway
@@ -94,7 +95,8 @@ func messageFor(err error, enc *upstream.Encoder) string {
 
 func isUnusable(err error) bool {
 	var u *upstream.UnusableEncoderError
-	return errors.As(err, &u)
+	var busy *upstream.BreakerBusyError
+	return errors.As(err, &u) || errors.As(err, &busy)
 }
 
 func isDial(err error) bool {

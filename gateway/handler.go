@@ -159,6 +159,9 @@ func (s *Server) answerFailedPin(c *call, pin upstream.Pin) {
 // failCall answers with the gateway's own envelope for err.
 func (s *Server) failCall(c *call, err error) {
 	status, msg := statusFor(err), messageFor(err, c.enc)
+	if c.enc != nil {
+		c.ctx.Response.Header.Set("X-Encgate-Encoder", c.enc.Name)
+	}
 	if ce := s.log.Check(zapcore.WarnLevel, "request failed in the gateway"); ce != nil {
 		name := ""
 		if c.enc != nil {

@@ -126,5 +126,6 @@ func (c Condition) MarshalYAML() (any, error) {
 // reached the encoder, so sending it again cannot duplicate it.
 func NotDelivered(err error) bool {
 	var dial *DialError
-	return errors.As(err, &dial) || IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns)
+	var busy *BreakerBusyError
+	return errors.As(err, &dial) || IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns) || errors.As(err, &busy)
 }

@@ -43,8 +43,8 @@ type ClientConfig struct {
 	Timeout configfile.Duration `yaml:"timeout"`
 	// IdleConnTimeout closes pooled connections idle this long (default 4s,
 	// below uvicorn's 5s keep-alive so the gateway never reuses a connection
-	// the encoder is closing). A pooled connection quiet for a quarter of it
-	// is checked with a non-blocking peek before reuse.
+	// the encoder is closing). Every pooled connection is also checked with a
+	// non-blocking peek before it is reused.
 	IdleConnTimeout configfile.Duration `yaml:"idle_conn_timeout"`
 	// MaxConnsPerEncoder bounds open connections to one encoder (default 1024).
 	MaxConnsPerEncoder int `yaml:"max_conns_per_encoder"`

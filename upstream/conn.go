@@ -4,7 +4,6 @@ import (
 	"errors"
 	"net"
 	"syscall"
-	"time"
 )
 
 // errStaleConn means a pooled connection turned out to be closed by the
@@ -26,21 +25,21 @@ func IsStale(err error) bool { return errors.Is(err, errStaleConn) }
 // probedConn checks, before a request is written on a connection that has
 // already carried one, whether the encoder closed it while it sat idle in
 // the pool. Encoders behind uvicorn close idle keep-alive connections after
-// 5 s; writing a request into such a socket would make "was it delivered?"
-// unanswerable, and /send must never be sent twice.
+// 5 s, and an encoder that crashes or restarts closes or resets all of them
+// at once; writing a request into such a socket would make "was it
+// delivered?" unanswerable, and /send must never be sent twice.
 //
-// Only a connection quiet for at least quiet is probed: one that carried an
-// answer more recently is still open (uvicorn closes after 5 s idle), so the
-// probe's syscall is saved on busy connections.
+// Every reused connection is probed, however recently it carried an
+// answer: a crash can close it a microsecond after the last one. The probe
+// is one non-blocking peek (nginx pays the same with a getsockopt of
+// SO_ERROR on each kept-alive upstream connection).
 type probedConn struct {
 	net.Conn
-	raw      syscall.RawConn
-	quiet    time.Duration
-	used     bool      // a response was read since the last write
-	lastRead time.Time // when the last answer's first bytes arrived
+	raw  syscall.RawConn
+	used bool // a response was read since the last write
 }
 
-func newProbedConn(c net.Conn, quiet time.Duration) net.Conn {
+func newProbedConn(c net.Conn) net.Conn {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
 		return c
@@ -49,29 +48,25 @@ func newProbedConn(c net.Conn, quiet time.Duration) net.Conn {
 	if err != nil {
 		return c
 	}
-	return &probedConn{Conn: c, raw: raw, quiet: quiet}
+	return &probedConn{Conn: c, raw: raw}
 }
 
-// Read notes the time of the first bytes of each answer (one clock read
-// per exchange, not per read: the clock is dear on virtual machines).
+// Read marks the connection as having carried an answer.
 func (c *probedConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
-	if n > 0 && !c.used {
+	if n > 0 {
 		c.used = true
-		c.lastRead = time.Now()
 	}
 	return n, err
 }
 
-// Write probes a connection that has been quiet for c.quiet before the
-// first write of a request.
+// Write probes a connection that carried an answer before the first write
+// of the next request.
 func (c *probedConn) Write(b []byte) (int, error) {
 	if c.used {
 		c.used = false
-		if time.Since(c.lastRead) >= c.quiet {
-			if err := c.probe(); err != nil {
-				return 0, &StaleConnError{Err: err}
-			}
+		if err := c.probe(); err != nil {
+			return 0, &StaleConnError{Err: err}
 		}
 	}
 	return c.Conn.Write(b)

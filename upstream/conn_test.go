@@ -79,7 +79,7 @@ func TestProbeSeesALiveConnection(t *testing.T) {
 	a, b := net.Pipe() // no syscall.Conn: probing is skipped, not broken
 	defer a.Close()
 	defer b.Close()
-	if _, ok := newProbedConn(a, 0).(*probedConn); ok {
+	if _, ok := newProbedConn(a).(*probedConn); ok {
 		t.Fatal("wrapped a conn without a file descriptor")
 	}
 }

@@ -44,6 +44,16 @@ func (e *UnusableEncoderError) Error() string {
 	return "upstream: encoder " + e.Name + " holding this req_id is " + e.State + "; its staged state cannot move to another encoder"
 }
 
+// BreakerBusyError means an encoder's breaker admitted no more requests
+// (open, or half-open with its probe quota taken) when an /encode was about
+// to go to it. Nothing was sent, so the /encode may go to the next encoder
+// in rendezvous order (a retry policy's connect_failure).
+type BreakerBusyError struct{ Encoder, State string }
+
+func (e *BreakerBusyError) Error() string {
+	return "upstream: encoder " + e.Encoder + "'s breaker is " + e.State + " and admits no more requests now; nothing was sent"
+}
+
 // InflightLimitError means the gateway's own bound on exchanges in flight to
 // one encoder (limits.max_inflight_per_encoder) was reached, so nothing was
 // sent. It is the same kind of refusal as running out of connections to the

@@ -322,7 +322,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)
 			}
-			return newProbedConn(tcpconn.Client(c), cc.IdleConnTimeout.D()/4), nil
+			return newProbedConn(tcpconn.Client(c)), nil
 		},
 	}
 }
