@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"syscall"
+	"unsafe"
 )
 
 // errStaleConn means a pooled connection turned out to be closed by the
@@ -35,8 +36,11 @@ func IsStale(err error) bool { return errors.Is(err, errStaleConn) }
 // SO_ERROR on each kept-alive upstream connection).
 type probedConn struct {
 	net.Conn
-	raw  syscall.RawConn
-	used bool // a response was read since the last write
+	raw     syscall.RawConn
+	used    bool // a response was read since the last write
+	peekFn  func(fd uintptr)
+	peekErr error
+	peekBuf [1]byte
 }
 
 func newProbedConn(c net.Conn) net.Conn {
@@ -48,7 +52,9 @@ func newProbedConn(c net.Conn) net.Conn {
 	if err != nil {
 		return c
 	}
-	return &probedConn{Conn: c, raw: raw}
+	pc := &probedConn{Conn: c, raw: raw}
+	pc.peekFn = pc.peek
+	return pc
 }
 
 // Read marks the connection as having carried an answer.
@@ -72,24 +78,38 @@ func (c *probedConn) Write(b []byte) (int, error) {
 	return c.Conn.Write(b)
 }
 
+// errEOFWhileIdle is the probe's finding for a connection the encoder
+// closed while it sat in the pool.
+var errEOFWhileIdle = errors.New("EOF while idle")
+
 // probe peeks without blocking: EOF or an error means the peer closed. It
 // goes around the poller (Control, not Read), so a read deadline left from
-// the last exchange cannot fail it and no readiness is consumed.
+// the last exchange cannot fail it and no readiness is consumed; and it is
+// a raw syscall (MSG_DONTWAIT never blocks), so the scheduler does not hand
+// the P to another thread around it.
 func (c *probedConn) probe() error {
-	var probeErr error
-	err := c.raw.Control(func(fd uintptr) {
-		var buf [1]byte
-		n, _, rerr := syscall.Recvfrom(int(fd), buf[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		switch {
-		case rerr == syscall.EAGAIN || rerr == syscall.EWOULDBLOCK:
-		case rerr != nil:
-			probeErr = rerr
-		case n == 0:
-			probeErr = errors.New("EOF while idle")
-		}
-	})
-	if err != nil {
+	c.peekErr = nil
+	if err := c.raw.Control(c.peekFn); err != nil {
 		return err
 	}
-	return probeErr
+	return c.peekErr
+}
+
+// peek is probe's Control callback, a method value made once per
+// connection so the probe does not allocate.
+func (c *probedConn) peek(fd uintptr) {
+	for {
+		n, _, errno := syscall.RawSyscall6(syscall.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&c.peekBuf[0])), 1,
+			syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+		case errno != 0:
+			c.peekErr = errno
+		case n == 0:
+			c.peekErr = errEOFWhileIdle
+		}
+		return
+	}
 }
