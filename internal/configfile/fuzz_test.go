@@ -114,7 +114,8 @@ func FuzzDecode(f *testing.F) {
 		var de *DecodeError
 		switch {
 		case errors.As(err, &de):
-			lines := strings.Count(string(data), "\n") + 1
+			// YAML breaks lines at \n, \r\n and a lone \r.
+			lines := strings.Count(strings.ReplaceAll(strings.ReplaceAll(string(data), "\r\n", "\n"), "\r", "\n"), "\n") + 1
 			for _, p := range de.Problems {
 				msg := p.Error()
 				if !problemRE.MatchString(msg) {
