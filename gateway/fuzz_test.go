@@ -91,7 +91,8 @@ func checkConfigError(t *testing.T, data []byte, err error, validate func() erro
 	var de *configfile.DecodeError
 	switch {
 	case errors.As(err, &de):
-		lines := bytes.Count(data, []byte("\n")) + 1
+		// YAML breaks lines at \n, \r\n and a lone \r.
+		lines := bytes.Count(bytes.ReplaceAll(bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n")), []byte("\r"), []byte("\n")), []byte("\n")) + 1
 		for _, p := range de.Problems {
 			msg := p.Error()
 			var n int
