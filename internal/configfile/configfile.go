@@ -72,7 +72,9 @@ func lineOf(data []byte, err error) string {
 			break
 		}
 	}
-	return "line " + strconv.Itoa(1+bytes.Count(data[:at], []byte("\n"))) + ": "
+	pre := data[:at] // YAML breaks lines at \n, \r\n and a lone \r
+	breaks := bytes.Count(pre, []byte("\n")) + bytes.Count(pre, []byte("\r")) - bytes.Count(pre, []byte("\r\n"))
+	return "line " + strconv.Itoa(1+breaks) + ": "
 }
 
 // DecodeError lists the keys that could not be decoded, each as
