@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"net/url"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -281,6 +282,39 @@ func FuzzSendBody(f *testing.F) {
 		}
 		if got.dest() != fmt.Sprintf("%s:%d", got.PrefillHost, got.EmbeddingPort) {
 			t.Fatalf("dest %q", got.dest())
+		}
+	})
+}
+
+// FuzzQueries checks the two small query parsers of the control API: the
+// /v1/ack query (req_id alone, exactly once, not empty) against the
+// reference reading of url.ParseQuery, and that the req_id an error
+// envelope carries (queryReqID) is the one both the ack and the stage
+// parsers accepted.
+func FuzzQueries(f *testing.F) {
+	for _, s := range []string{
+		"req_id=chatcmpl-abc", "req_id=", "req_id=a&req_id=b", "req_id=a&x=1", "req_id=%zz", "req_id=a;b",
+		"req_id=a%26b%3Dc", "REQ_ID=a", "req_id=a&tokens=1&dim=1&dtype=float32", "",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, raw string) {
+		id, err := parseAckQuery(raw)
+		q, qerr := url.ParseQuery(raw)
+		wantOK := qerr == nil && len(q) == 1 && len(q["req_id"]) == 1 && q["req_id"][0] != ""
+		if (err == nil) != wantOK {
+			t.Fatalf("parseAckQuery(%q) = %q, %v; url.ParseQuery reads %v, %v", raw, id, err, q, qerr)
+		}
+		if err != nil {
+			var bad *badRequest
+			if !errors.As(err, &bad) {
+				t.Fatalf("error %v is not a badRequest", err)
+			}
+		} else if id != q["req_id"][0] || queryReqID(raw) != id {
+			t.Fatalf("parseAckQuery(%q) = %q, url.ParseQuery %q, queryReqID %q", raw, id, q["req_id"][0], queryReqID(raw))
+		}
+		if r, err := parseStageQuery(raw); err == nil && queryReqID(raw) != r.ReqID {
+			t.Fatalf("stage query %q: req_id %q, queryReqID %q", raw, r.ReqID, queryReqID(raw))
 		}
 	})
 }
