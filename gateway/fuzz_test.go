@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -26,6 +27,9 @@ import (
 // validationRE is a Validate problem: a field path of the config's own keys,
 // then the message.
 var validationRE = regexp.MustCompile(`^[a-z_]+(\[[0-9]+\])?(\.[a-z_]+(\[[0-9]+\])?)*: `)
+
+// problemLineRE finds the line a decode problem names.
+var problemLineRE = regexp.MustCompile(`(?s)^line ([0-9]+): |^.+ \(line ([0-9]+)\)$`)
 
 // FuzzGatewayConfig loads arbitrary files with LoadConfig: never a panic;
 // every problem names a field path or a line; the error is exactly the
@@ -95,12 +99,13 @@ func checkConfigError(t *testing.T, data []byte, err error, validate func() erro
 		lines := bytes.Count(bytes.ReplaceAll(bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n")), []byte("\r"), []byte("\n")), []byte("\n")) + 1
 		for _, p := range de.Problems {
 			msg := p.Error()
-			var n int
-			i := strings.LastIndex(msg, "line ")
-			if i < 0 {
+			// "line N: problem", or "field.path: problem (line N)"; the
+			// problem itself may quote the value, "line 0" included.
+			m := problemLineRE.FindStringSubmatch(msg)
+			if m == nil {
 				t.Fatalf("decode problem %q names no line", msg)
 			}
-			if _, serr := fmt.Sscanf(msg[i:], "line %d", &n); serr != nil || n < 1 || n > lines {
+			if n, _ := strconv.Atoi(m[1] + m[2]); n < 1 || n > lines {
 				t.Fatalf("decode problem %q names line %d of a %d-line file", msg, n, lines)
 			}
 		}

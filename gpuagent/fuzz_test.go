@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -77,6 +78,9 @@ func FuzzAgentConfig(f *testing.F) {
 // then the message.
 var validationRE = regexp.MustCompile(`^[a-z_]+(\[[0-9]+\])?(\.[a-z_]+(\[[0-9]+\])?)*: `)
 
+// problemLineRE finds the line a decode problem names.
+var problemLineRE = regexp.MustCompile(`(?s)^line ([0-9]+): |^.+ \(line ([0-9]+)\)$`)
+
 // checkConfigError checks a LoadConfig error: nil, a parse error naming a
 // line, or the decode problems (each naming a line) joined with validate's
 // problems (each naming a field path).
@@ -94,12 +98,13 @@ func checkConfigError(t *testing.T, data []byte, err error, validate func() erro
 		lines := bytes.Count(bytes.ReplaceAll(bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n")), []byte("\r"), []byte("\n")), []byte("\n")) + 1
 		for _, p := range de.Problems {
 			msg := p.Error()
-			var n int
-			i := strings.LastIndex(msg, "line ")
-			if i < 0 {
+			// "line N: problem", or "field.path: problem (line N)"; the
+			// problem itself may quote the value, "line 0" included.
+			m := problemLineRE.FindStringSubmatch(msg)
+			if m == nil {
 				t.Fatalf("decode problem %q names no line", msg)
 			}
-			if _, serr := fmt.Sscanf(msg[i:], "line %d", &n); serr != nil || n < 1 || n > lines {
+			if n, _ := strconv.Atoi(m[1] + m[2]); n < 1 || n > lines {
 				t.Fatalf("decode problem %q names line %d of a %d-line file", msg, n, lines)
 			}
 		}
