@@ -11,25 +11,16 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/valyala/fasthttp"
 	"go.yaml.in/yaml/v3"
 
-	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/configfile/configfiletest"
 	"github.com/encgate/encgate/internal/jsonfield"
 	"github.com/encgate/encgate/upstream"
 )
-
-// validationRE is a Validate problem: a field path of the config's own keys,
-// then the message.
-var validationRE = regexp.MustCompile(`^[a-z_]+(\[[0-9]+\])?(\.[a-z_]+(\[[0-9]+\])?)*: `)
-
-// problemLineRE finds the line a decode problem names.
-var problemLineRE = regexp.MustCompile(`(?s)^line ([0-9]+): |^.+ \(line ([0-9]+)\)$`)
 
 // FuzzGatewayConfig loads arbitrary files with LoadConfig: never a panic;
 // every problem names a field path or a line; the error is exactly the
@@ -61,7 +52,7 @@ func FuzzGatewayConfig(f *testing.F) {
 			t.Fatal(err)
 		}
 		cfg, err := LoadConfig(path)
-		checkConfigError(t, data, err, cfg.Validate)
+		configfiletest.CheckLoadError(t, data, err, cfg.Validate)
 		if err != nil {
 			return
 		}
@@ -76,102 +67,10 @@ func FuzzGatewayConfig(f *testing.F) {
 		if err != nil {
 			t.Fatalf("the re-encoded configuration does not load: %v\n%s", err, out)
 		}
-		if !reflect.DeepEqual(normalize(back), normalize(cfg)) {
+		if !reflect.DeepEqual(configfiletest.Normalize(back), configfiletest.Normalize(cfg)) {
 			t.Fatalf("round trip differs\n got %+v\nwant %+v\nvia %s", back, cfg, out)
 		}
 	})
-}
-
-// checkConfigError checks a LoadConfig error: nil, a parse error, or the
-// decode problems (each naming a path and line, or a line) joined with
-// validate's problems (each naming a field path).
-func checkConfigError(t *testing.T, data []byte, err error, validate func() error) {
-	t.Helper()
-	if err == nil {
-		return
-	}
-	verr := validate()
-	want := verr
-	var de *configfile.DecodeError
-	switch {
-	case errors.As(err, &de):
-		// YAML breaks lines at \n, \r\n and a lone \r.
-		lines := bytes.Count(bytes.ReplaceAll(bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n")), []byte("\r"), []byte("\n")), []byte("\n")) + 1
-		for _, p := range de.Problems {
-			msg := p.Error()
-			// "line N: problem", or "field.path: problem (line N)"; the
-			// problem itself may quote the value, "line 0" included.
-			m := problemLineRE.FindStringSubmatch(msg)
-			if m == nil {
-				t.Fatalf("decode problem %q names no line", msg)
-			}
-			if n, _ := strconv.Atoi(m[1] + m[2]); n < 1 || n > lines {
-				t.Fatalf("decode problem %q names line %d of a %d-line file", msg, n, lines)
-			}
-		}
-		want = errors.Join(de, verr)
-	case strings.HasPrefix(err.Error(), "parsing config: "):
-		// Nothing usable was decoded: a YAML syntax error, which names its
-		// line, or more than one document.
-		if !strings.Contains(err.Error(), "line ") && !strings.HasSuffix(err.Error(), "more than one YAML document") {
-			t.Fatalf("parse error %q names no line", err)
-		}
-		return
-	}
-	if want == nil || err.Error() != want.Error() {
-		t.Fatalf("error\n%v\nis not the decode problems and Validate's\n%v", err, want)
-	}
-	if verr == nil {
-		return
-	}
-	var joined interface{ Unwrap() []error }
-	if !errors.As(verr, &joined) {
-		t.Fatalf("Validate's error %T is not a list", verr)
-	}
-	for _, p := range joined.Unwrap() {
-		if !validationRE.MatchString(p.Error()) {
-			t.Fatalf("problem %q does not start with a field path", p)
-		}
-	}
-}
-
-// normalize returns v with every empty slice and map set to nil and NaN
-// floats set to a sentinel, so DeepEqual compares meaning: YAML writes nil
-// and empty alike.
-func normalize[T any](v T) T {
-	normalizeValue(reflect.ValueOf(&v).Elem())
-	return v
-}
-
-func normalizeValue(v reflect.Value) {
-	switch v.Kind() {
-	case reflect.Pointer:
-		if !v.IsNil() {
-			normalizeValue(v.Elem())
-		}
-	case reflect.Struct:
-		for i := range v.NumField() {
-			if v.Field(i).CanSet() {
-				normalizeValue(v.Field(i))
-			}
-		}
-	case reflect.Slice:
-		if v.Len() == 0 {
-			v.SetZero()
-			return
-		}
-		for i := range v.Len() {
-			normalizeValue(v.Index(i))
-		}
-	case reflect.Map:
-		if v.Len() == 0 {
-			v.SetZero()
-		}
-	case reflect.Float32, reflect.Float64:
-		if f := v.Float(); f != f {
-			v.SetFloat(-1.2345e-300)
-		}
-	}
 }
 
 // FuzzBodyFields checks the two fields the gateway reads out of bodies
