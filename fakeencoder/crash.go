@@ -110,6 +110,7 @@ func (e *Encoder) Restart() error {
 	e.sendDone = map[string]*sendCount{}
 	e.recv = map[string]*recvReg{}
 	e.lead504 = map[string]*lead504{}
+	e.dedupe = map[string]*inflight{}
 	e.profile = profileState{}
 	refuse := e.faults.Refuse
 	e.down.Store(false)
@@ -124,9 +125,13 @@ func (e *Encoder) Restart() error {
 }
 
 // onRoutes reports whether route is in routes, or in the default fault
-// routes when routes is empty.
-func onRoutes(routes []string, route string) bool {
+// routes when routes is empty (GEN0 has no /scheduler_receive_meta_data, so
+// it is not a default fault route there).
+func (e *Encoder) onRoutes(routes []string, route string) bool {
 	if len(routes) == 0 {
+		if e.gen0() && route == RouteMetadata {
+			return false
+		}
 		routes = defaultFailRoutes
 	}
 	return slices.Contains(routes, route)
@@ -137,7 +142,7 @@ func onRoutes(routes []string, route string) bool {
 func (e *Encoder) crashDue(route string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.faults.CrashAt <= 0 || !onRoutes(e.faults.CrashRoutes, route) {
+	if e.faults.CrashAt <= 0 || !e.onRoutes(e.faults.CrashRoutes, route) {
 		return false
 	}
 	if e.crashN++; e.crashN < e.faults.CrashAt {
@@ -164,7 +169,7 @@ func (e *Encoder) healthFlapFails() bool {
 func (e *Encoder) truncates(route string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return e.faults.Truncate && onRoutes(e.faults.TruncateRoutes, route)
+	return e.faults.Truncate && e.onRoutes(e.faults.TruncateRoutes, route)
 }
 
 // recorder holds a handler's answer so that it can be sent truncated.

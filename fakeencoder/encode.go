@@ -116,26 +116,36 @@ func itemCount(items *fastjson.Value) int {
 
 // handleEncode answers POST /encode: validate, create the request state,
 // publish metadata after MetadataDelay, encode for EncodeLatency, then answer
-// per Mode.
+// per Mode. GEN0 is handled by encodeGen0.
 func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *request) {
 	if !req.requireObject(w) {
+		return
+	}
+	if e.gen0() {
+		e.encodeGen0(w, r, req)
 		return
 	}
 	if msg := validateEncode(req.obj); msg != "" {
 		writeEnvelope(w, http.StatusBadRequest, msg, req.rawID)
 		return
 	}
+	e.encode(w, r, req, nil)
+}
+
+// encode runs an accepted /encode. first is the GEN0 dedupe record this call
+// owns (nil otherwise): it is finished with the encode's outcome.
+func (e *Encoder) encode(w http.ResponseWriter, r *http.Request, req *request, first *inflight) {
 	enter, id, ctx := time.Now(), req.id(), r.Context()
 	fail := failureHook(req.field("mm_items"))
 	e.mu.Lock()
 	st := e.acquireEncodeLocked(id)
 	e.mu.Unlock()
 	if !e.sleep(ctx, RouteEncode, e.Faults().MetadataDelay) {
-		e.abortEncode(st)
+		e.abortEncode(st, first)
 		return
 	}
 	if fail != nil && !fail.forward {
-		e.failEncode(w, req, st, fail)
+		e.failEncode(w, req, st, fail, first)
 		return
 	}
 	m := e.sizes(itemCount(req.field("mm_items")))
@@ -146,7 +156,7 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		e.mu.Unlock()
 	}
 	if !e.runEncodeHook(ctx, id) || !e.sleep(ctx, RouteEncode, e.opts.EncodeLatency) {
-		e.abortEncode(st)
+		e.abortEncode(st, first)
 		return
 	}
 	if fail == nil && staging {
@@ -155,11 +165,12 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		}
 	}
 	if fail != nil {
-		e.failEncode(w, req, st, fail)
+		e.failEncode(w, req, st, fail, first)
 		return
 	}
 	e.mu.Lock()
 	e.stageLocked(st, false)
+	e.finishInflightLocked(id, first, &m)
 	e.releaseEncodeRefLocked(st)
 	e.publishLocked(id, m)
 	e.mu.Unlock()
@@ -167,7 +178,7 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		writeJSON(w, http.StatusOK, echoEncode(req.obj, enter, m))
 		return
 	}
-	e.deliverZMQ(w, r, req, st)
+	e.deliverZMQ(w, r, req, st, m)
 }
 
 // runEncodeHook calls Options.EncodeHook with a context that ends when the
@@ -186,38 +197,60 @@ func (e *Encoder) runEncodeHook(ctx context.Context, id string) bool {
 // abortEncode retires an encode whose caller went away: sglang releases the
 // request when the /encode handler is cancelled, while the encode itself
 // runs to completion, so a /send already waiting for it is not stranded.
-func (e *Encoder) abortEncode(st *reqState) {
+// GEN0 siblings waiting for it get "Encode failed on the first request".
+func (e *Encoder) abortEncode(st *reqState, first *inflight) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if !st.ready {
 		e.stageLocked(st, false)
 	}
+	e.finishInflightLocked(st.id, first, nil)
 	e.releaseEncodeRefLocked(st)
 	e.releaseLocked(st.id, false)
 }
 
 // failEncode stages and publishes an encode error, releases the request the
-// way sglang does for the mode, and answers the error envelope.
-func (e *Encoder) failEncode(w http.ResponseWriter, req *request, st *reqState, f *encodeFailure) {
-	zmqWait := false
+// way sglang does for the mode, and answers the error envelope. With
+// PushFrames in zmq mode the error frame goes to prefill_host:embedding_port
+// before the answer, or, with no port, to each URL as it is registered, in
+// the background.
+func (e *Encoder) failEncode(w http.ResponseWriter, req *request, st *reqState, f *encodeFailure, first *inflight) {
+	zmqWait, pushPorts := false, false
 	e.mu.Lock()
 	e.stageLocked(st, true)
+	e.finishInflightLocked(st.id, first, nil)
 	e.releaseEncodeRefLocked(st)
 	e.publishLocked(st.id, metaEntry{hasErr: true, errMsg: f.msg})
 	switch {
 	case e.opts.Mode == ModeMooncake:
 		e.releaseLocked(st.id, true) // the error metadata stays until the sweep
+	case hasEmbeddingPort(req) && e.opts.PushFrames && e.pushesErrorToPort(req):
+		pushPorts = true // released once the error frames are out
 	case hasEmbeddingPort(req):
 		e.releaseLocked(st.id, false)
 	default:
 		zmqWait = true // send_with_url pushes the error in the background
 	}
 	e.mu.Unlock()
+	var msg *zmqMessage
+	if e.opts.PushFrames {
+		msg = errorMessage(req, f)
+	}
+	if pushPorts {
+		e.pushTo(req.id(), portDestinations(req), msg)
+		e.mu.Lock()
+		e.releaseLocked(st.id, false)
+		e.mu.Unlock()
+	}
 	if zmqWait {
 		e.goBackground(func() {
 			e.mu.Lock()
 			defer e.mu.Unlock()
-			e.waitRegistrationsLocked(e.ctx, st)
+			if msg != nil {
+				e.pushRegisteredLocked(e.ctx, st, msg)
+			} else {
+				e.waitRegistrationsLocked(e.ctx, st)
+			}
 			e.releaseLocked(st.id, false)
 		})
 	}
@@ -233,12 +266,24 @@ func hasEmbeddingPort(req *request) bool {
 // deliverZMQ finishes a zmq /encode: with embedding_port set the embedding
 // goes there at once; otherwise it waits (up to SendTimeout) for
 // receive_count registered URLs. Either way it releases the request and
-// answers null.
-func (e *Encoder) deliverZMQ(w http.ResponseWriter, r *http.Request, req *request, st *reqState) {
+// answers null. With PushFrames the embedding message m's sizes describe is
+// pushed to those destinations before the answer.
+func (e *Encoder) deliverZMQ(w http.ResponseWriter, r *http.Request, req *request, st *reqState, m metaEntry) {
 	res := waitOK
-	e.mu.Lock()
-	if !hasEmbeddingPort(req) {
-		res = e.waitRegistrationsLocked(r.Context(), st)
+	if e.opts.PushFrames {
+		msg := embeddingMessage(req, m)
+		if hasEmbeddingPort(req) {
+			e.pushTo(req.id(), portDestinations(req), msg)
+			e.mu.Lock()
+		} else {
+			e.mu.Lock()
+			res = e.pushRegisteredLocked(r.Context(), st, msg)
+		}
+	} else {
+		e.mu.Lock()
+		if !hasEmbeddingPort(req) {
+			res = e.waitRegistrationsLocked(r.Context(), st)
+		}
 	}
 	if res != waitClosed {
 		e.releaseLocked(st.id, false)

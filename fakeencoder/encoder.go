@@ -8,7 +8,37 @@
 // state machine (request state, metadata registry, destination refcount,
 // sweep), and adds fault injection plus control routes that faults never
 // touch: GET /_fake/stats, POST /_fake/reset and GET/PUT /_fake/faults. No
-// embedding data moves: there is no GPU, ZMQ or Mooncake traffic.
+// embedding data moves by default: there is no GPU, ZMQ or Mooncake
+// traffic.
+//
+// Options.Generation = Gen0 imitates GEN0 instead, the older flat
+// disaggregation/encode_server.py generation still in the field (protocol
+// reference §11): there is no /scheduler_receive_meta_data (404); in
+// mooncake mode every receiver TP rank posts /encode with the same req_id
+// and the encoder dedupes them (the first call encodes, the others wait for
+// it and get its sizes, or 500 "Encode failed on the first request" when it
+// failed; a success is kept for later callers until the request is released
+// or swept, a failure is dropped so a later call encodes anew); /encode
+// validates nothing (a missing req_id is starlette's 500 text, other missing
+// keys and a bad modality a 500 envelope with Python's error text);
+// /send answers every error, an unknown req_id and a missing field
+// included, with starlette's 500 text and counts raw calls against
+// receive_count (Gen0 implies RefcountCalls); /scheduler_receive_url stores
+// a registration that comes before its /encode (no wait) and answers a
+// changed receive_count with 500 text (a failed assert).
+//
+// Options.PushFrames makes zmq mode push ZMQ messages as sglang's
+// send_with_url and send do: to each URL registered for the part (or to
+// prefill_host:embedding_port), a two-frame message on success and a
+// one-frame error message when the encode failed (GEN0 pushes no error frame
+// to a single integer embedding_port: its zmq_to_tokenizer path does not).
+// With no embedding_port, GEN0 and NEW alike answer a failed /encode at once
+// and keep pushing its error frame in the background to each URL as it is
+// registered, until receive_count URLs got it or SendTimeout passes. Frame 0
+// is not sglang's pickled EmbeddingData but a JSON stand-in
+// {"req_id","num_parts","part_idx","error_msg","error_code"}; frame 1 is
+// embedding_size zero bytes. Stats counts registrations as they arrive and
+// every push per req_id and URL.
 //
 // Test hooks in the request body: when the first mm_item is the string
 // "fail:<status>:<message>", the encode fails during preprocessing (before
@@ -60,6 +90,47 @@ func (m *Mode) Set(s string) error {
 	return nil
 }
 
+// Generation selects the generation of sglang's encoder server the fake
+// imitates (protocol reference §11).
+type Generation int
+
+const (
+	// GenNew is the NEW encoder (disaggregation/encoder/…, protocol
+	// reference §1–§10): the default.
+	GenNew Generation = iota
+	// Gen0 is GEN0, the flat disaggregation/encode_server.py generation
+	// still in the field (protocol reference §11): no
+	// /scheduler_receive_meta_data, every receiver TP rank posts /encode
+	// itself in mooncake mode and the encoder dedupes those calls by req_id,
+	// no /encode validation, KeyErrors and failed asserts answered as
+	// starlette's 500 text, registrations stored before their /encode, and
+	// /send refcounted by raw calls (Gen0 implies RefcountCalls).
+	Gen0
+)
+
+// String returns the generation name ("new" or "gen0"); with Set it makes
+// *Generation a flag.Value.
+func (g Generation) String() string {
+	if g == Gen0 {
+		return "gen0"
+	}
+	return "new"
+}
+
+// Set parses a generation name ("new" or "gen0"); it makes *Generation a
+// flag.Value.
+func (g *Generation) Set(s string) error {
+	switch strings.ToLower(s) {
+	case "new":
+		*g = GenNew
+	case "gen0":
+		*g = Gen0
+	default:
+		return fmt.Errorf("fakeencoder: unknown generation %q (want new or gen0)", s)
+	}
+	return nil
+}
+
 // Default values for zero Options fields.
 const (
 	DefaultName          = "fake"
@@ -77,6 +148,21 @@ type Options struct {
 	Name string
 	// Mode is the transfer backend imitated. Default ModeMooncake.
 	Mode Mode
+	// Generation is the sglang encoder generation imitated. Default GenNew.
+	// Gen0 implies RefcountCalls.
+	Generation Generation
+	// PushFrames makes the fake push ZMQ messages in zmq mode, as sglang's
+	// send_with_url and send do: to every URL registered for the part through
+	// /scheduler_receive_url, or to prefill_host:embedding_port when
+	// /encode names a port. A success is a two-frame message (frame 0 the
+	// metadata, frame 1 embedding_size bytes of zeros), a failed encode a
+	// one-frame error message. Frame 0 is NOT sglang's pickled EmbeddingData
+	// (the fake cannot build torch pickles) but a small JSON object
+	// {"req_id","num_parts","part_idx","error_msg","error_code"}. Each push
+	// dials its own connection (connect within 2s, the whole push within
+	// min(SendTimeout, 5s)), so an unreachable URL never holds a handler
+	// long. Off by default: the fake then pushes nothing.
+	PushFrames bool
 	// EncodeLatency is the simulated encode time after metadata publish.
 	// Default 0.
 	EncodeLatency time.Duration
@@ -206,6 +292,7 @@ type Encoder struct {
 	sendDone map[string]*sendCount // registry _rid_to_send_done
 	recv     map[string]*recvReg   // rid_to_receive_endpoint/count
 	lead504  map[string]*lead504   // Faults.Leading504s counters
+	dedupe   map[string]*inflight  // Gen0 mooncake /encode dedupe by req_id
 	watches  map[string]*watch     // per-req_id wake-up channels
 	waiting  map[string]int        // route -> handlers blocked now
 	stats    statsData             // counters behind Stats
@@ -231,6 +318,9 @@ type Encoder struct {
 // starts no goroutine; call Start to serve, or mount Handler.
 func New(opts Options) *Encoder {
 	opts.setDefaults()
+	if opts.Generation == Gen0 {
+		opts.RefcountCalls = true // GEN0 counts raw /send calls
+	}
 	if opts.Rand == nil {
 		opts.Rand = rand.New(rand.NewSource(1)).Float64
 	}
@@ -246,6 +336,7 @@ func New(opts Options) *Encoder {
 		sendDone: map[string]*sendCount{},
 		recv:     map[string]*recvReg{},
 		lead504:  map[string]*lead504{},
+		dedupe:   map[string]*inflight{},
 		watches:  map[string]*watch{},
 		waiting:  map[string]int{},
 		stats:    newStatsData(),
@@ -442,6 +533,8 @@ func (o *Options) BindFlags(fs *flag.FlagSet) {
 	o.setDefaults()
 	fs.StringVar(&o.Name, "name", o.Name, "encoder name shown in /_fake/stats")
 	fs.Var(&o.Mode, "mode", "transfer backend imitated: mooncake or zmq")
+	fs.Var(&o.Generation, "generation", "sglang encoder generation imitated: new (default) or gen0 (protocol reference §11; implies --refcount-calls)")
+	fs.BoolVar(&o.PushFrames, "push-frames", o.PushFrames, "zmq mode: push each part's ZMQ message (frame 0 a JSON stand-in for the pickle) to its registered URLs or prefill_host:embedding_port")
 	fs.DurationVar(&o.EncodeLatency, "encode-latency", o.EncodeLatency, "simulated encode time after the metadata publish")
 	fs.DurationVar(&o.MetadataTimeout, "metadata-timeout", o.MetadataTimeout, "/scheduler_receive_meta_data wait before 504 (sglang REQ_TIMEOUT)")
 	fs.DurationVar(&o.RegisterTimeout, "register-timeout", o.RegisterTimeout, "/scheduler_receive_url wait for /encode to start before 504")

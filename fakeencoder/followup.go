@@ -58,6 +58,10 @@ func (e *Encoder) handleSend(w http.ResponseWriter, r *http.Request, req *reques
 	e.mu.Unlock()
 	for _, k := range sendFields {
 		if req.field(k) == nil {
+			if e.gen0() {
+				writeInternalError(w) // GEN0: a KeyError before any state is touched
+				return
+			}
 			e.mu.Lock()
 			e.releaseLocked(id, false) // NEW: any error inside /send releases
 			e.mu.Unlock()
@@ -66,6 +70,10 @@ func (e *Encoder) handleSend(w http.ResponseWriter, r *http.Request, req *reques
 		}
 	}
 	o := e.send(r, id, req.field("receive_count"), dest)
+	if e.gen0() && o.status != 0 && o.status != http.StatusOK {
+		writeInternalError(w) // GEN0's /send has no try block: every error is starlette's 500 text
+		return
+	}
 	if o.status == http.StatusOK && e.opts.EchoSend {
 		o.body = append(append([]byte(`{"req_id":`), req.rawID...), `,"destination":`...)
 		o.body = append(appendJSONString(o.body, dest), '}')
@@ -211,6 +219,10 @@ func (e *Encoder) handleRegister(w http.ResponseWriter, r *http.Request, req *re
 	if !req.requireObject(w) {
 		return
 	}
+	if e.gen0() {
+		e.registerGen0(w, req)
+		return
+	}
 	count, url := req.field("receive_count"), req.field("receive_url")
 	if req.idVal == nil || count == nil || url == nil {
 		writeInternalError(w) // KeyError outside the try block
@@ -237,18 +249,14 @@ func (e *Encoder) register(r *http.Request, id string, count, url *fastjson.Valu
 	}
 	reg := e.recv[id]
 	if reg == nil {
-		n, ok := countOf(count)
-		if !ok {
-			n = -1
-		}
-		reg = &recvReg{countKey: pyKey(count), countStr: pyStr(count), count: n, urls: map[string]struct{}{}}
+		reg = newRecvReg(count)
 		e.recv[id] = reg
 	}
 	if reg.countKey != pyKey(count) {
 		return outcome{status: http.StatusBadRequest, msg: fmt.Sprintf(
 			"Inconsistent receive_count for req_id=%s: registered %s, got %s", id, reg.countStr, pyStr(count))}
 	}
-	reg.urls[pyKey(url)] = struct{}{}
+	reg.urls[pyKey(url)] = pyStr(url)
 	e.notifyLocked(id)
 	return outcome{status: http.StatusOK}
 }

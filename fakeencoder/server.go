@@ -121,7 +121,7 @@ func (e *Encoder) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		e.serveFake(w, r)
 		return
 	}
-	req, err := readRequest(r)
+	req, err := e.readRequest(r)
 	if err != nil {
 		writeEmpty(w, http.StatusRequestEntityTooLarge)
 		return
@@ -146,7 +146,7 @@ func (e *Encoder) handle(w http.ResponseWriter, r *http.Request, req *request) {
 	if !e.applyFaults(w, r, req) {
 		return
 	}
-	rt, ok := routes[req.route]
+	rt, ok := e.lookup(req.route)
 	switch {
 	case !ok:
 		writeDetail(w, http.StatusNotFound, `"Not Found"`)
@@ -158,15 +158,27 @@ func (e *Encoder) handle(w http.ResponseWriter, r *http.Request, req *request) {
 	}
 }
 
+// lookup returns path's route: GEN0 has no /scheduler_receive_meta_data.
+func (e *Encoder) lookup(path string) (route, bool) {
+	if e.opts.Generation == Gen0 && path == RouteMetadata {
+		return route{}, false
+	}
+	rt, ok := routes[path]
+	return rt, ok
+}
+
+// gen0 reports whether the encoder imitates GEN0.
+func (e *Encoder) gen0() bool { return e.opts.Generation == Gen0 }
+
 // readRequest reads r's body and parses it when the route takes JSON.
-func readRequest(r *http.Request) (*request, error) {
+func (e *Encoder) readRequest(r *http.Request) (*request, error) {
 	req := &request{route: r.URL.Path}
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
 	if err != nil || len(body) > maxBody {
 		return nil, fmt.Errorf("fakeencoder: reading body: %v", err)
 	}
 	req.body = body
-	if rt, ok := routes[req.route]; !ok || !rt.json || r.Method != http.MethodPost {
+	if rt, ok := e.lookup(req.route); !ok || !rt.json || r.Method != http.MethodPost {
 		return req, nil
 	}
 	req.parser = parserPool.Get()
@@ -208,7 +220,7 @@ func (e *Encoder) applyFaults(w http.ResponseWriter, r *http.Request, req *reque
 	if f.FailureRate <= 0 {
 		return true
 	}
-	if !onRoutes(f.FailRoutes, req.route) || !e.roll(f.FailureRate) {
+	if !e.onRoutes(f.FailRoutes, req.route) || !e.roll(f.FailureRate) {
 		return true
 	}
 	status, msg := f.FailStatus, f.FailMessage

@@ -3,6 +3,8 @@ package fakeencoder
 import (
 	"context"
 	"time"
+
+	"github.com/valyala/fastjson"
 )
 
 // reqState mirrors sglang's ReqState: one encoder request's result and the
@@ -35,10 +37,28 @@ type sendCount struct {
 
 // recvReg holds /scheduler_receive_url registrations for one req_id.
 type recvReg struct {
-	countKey string // receive_count identity, for the consistency check
-	countStr string // receive_count as Python prints it
-	count    int64  // receive_count as an integer; -1 if not an integer
-	urls     map[string]struct{}
+	countKey string            // receive_count identity, for the consistency check
+	countStr string            // receive_count as Python prints it
+	count    int64             // receive_count as an integer; -1 if not an integer
+	urls     map[string]string // receive_url identity (pyKey) -> URL as Python prints it
+}
+
+// newRecvReg is an empty registration set whose receive_count is count.
+func newRecvReg(count *fastjson.Value) *recvReg {
+	n, ok := countOf(count)
+	if !ok {
+		n = -1
+	}
+	return &recvReg{countKey: pyKey(count), countStr: pyStr(count), count: n, urls: map[string]string{}}
+}
+
+// inflight is a GEN0 mooncake /encode in flight or done, which the
+// receiver TP ranks' /encode calls with the same req_id wait for (sglang
+// _inflight_encode_events and _inflight_encode_meta).
+type inflight struct {
+	done bool      // the first call finished (the event is set)
+	ok   bool      // it succeeded: meta holds the sizes
+	meta metaEntry // the sizes the first call answered
 }
 
 // lead504 counts the leading 504s answered for one req_id.
@@ -201,10 +221,14 @@ func (e *Encoder) finishReleaseLocked(st *reqState) {
 	e.notifyLocked(st.id)
 }
 
-// discardLocked drops id's metadata and send refcount.
+// discardLocked drops id's metadata and send refcount, and a finished GEN0
+// /encode record (one in flight is dropped by its own call).
 func (e *Encoder) discardLocked(id string) {
 	delete(e.meta, id)
 	delete(e.sendDone, id)
+	if rec := e.dedupe[id]; rec != nil && rec.done {
+		delete(e.dedupe, id)
+	}
 }
 
 // publishLocked publishes id's metadata, wakes its waiters and arms the sweep.

@@ -23,6 +23,21 @@ type Stats struct {
 	// crashed the encoder, hung, failed or were answered truncated included.
 	// It is what "a /send reached the encoder" means.
 	SendArrivals map[string]int64 `json:"send_arrivals"`
+	// Registrations counts the /scheduler_receive_url calls that arrived,
+	// keyed "req_id|receive_url" and counted as soon as the body is read,
+	// before any fault. Nil (and left out of the JSON) when there are none.
+	Registrations map[string]int64 `json:"registrations,omitempty"`
+	// Pushes lists the ZMQ messages pushed (Options.PushFrames), keyed
+	// "req_id|url" (the registered receive_url, or
+	// prefill_host:embedding_port), each PushEmbedding or PushError in push
+	// order. A push counts once its frames were written and the receiver
+	// closed its side or lingered past pushLinger. Nil (and left out of the
+	// JSON) when there are none.
+	Pushes map[string][]string `json:"pushes,omitempty"`
+	// PushFailures counts the pushes that failed (refused, unreachable, cut
+	// short), keyed as Pushes. Nil (and left out of the JSON) when there are
+	// none.
+	PushFailures map[string]int64 `json:"push_failures,omitempty"`
 	// Staged is the number of req_ids with live request state.
 	Staged int `json:"staged"`
 	// Waiting counts the handlers blocked right now, per route: metadata,
@@ -36,6 +51,25 @@ type statsData struct {
 	reqIDs   map[string]map[string]int64
 	sends    map[string]int64
 	arrivals map[string]int64
+	regs     map[string]int64    // nil until the first registration
+	pushes   map[string][]string // nil until the first push
+	pushErrs map[string]int64    // nil until the first failed push
+}
+
+// pushed records one pushed message of kind under key.
+func (s *statsData) pushed(key, kind string) {
+	if s.pushes == nil {
+		s.pushes = map[string][]string{}
+	}
+	s.pushes[key] = append(s.pushes[key], kind)
+}
+
+// pushFailed records one failed push under key.
+func (s *statsData) pushFailed(key string) {
+	if s.pushErrs == nil {
+		s.pushErrs = map[string]int64{}
+	}
+	s.pushErrs[key]++
 }
 
 func newStatsData() statsData {
@@ -47,19 +81,29 @@ func newStatsData() statsData {
 	}
 }
 
-// countRequest records one received request: its route, its string req_id
-// and, for a /send with a req_id, its arrival per destination.
+// countRequest records one received request: its route, its string req_id,
+// for a /send with a req_id its arrival per destination, and for a
+// registration with a req_id and a receive_url its arrival per URL.
 func (e *Encoder) countRequest(req *request) {
 	route, reqID := req.route, req.statsID()
-	var arrival string
+	var arrival, reg string
 	if route == RouteSend && req.idVal != nil {
 		arrival = req.id() + "|" + destination(req.field("prefill_host"), req.field("embedding_port"))
+	}
+	if url := req.field("receive_url"); route == RouteRegister && req.idVal != nil && url != nil {
+		reg = req.id() + "|" + pyStr(url)
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.stats.routes[route]++
 	if arrival != "" {
 		e.stats.arrivals[arrival]++
+	}
+	if reg != "" {
+		if e.stats.regs == nil {
+			e.stats.regs = map[string]int64{}
+		}
+		e.stats.regs[reg]++
 	}
 	if reqID == "" {
 		return
@@ -84,6 +128,15 @@ func (e *Encoder) Stats() Stats {
 		SendArrivals: maps.Clone(e.stats.arrivals),
 		Staged:       len(e.states),
 		Waiting:      maps.Clone(e.waiting),
+
+		Registrations: maps.Clone(e.stats.regs),
+		PushFailures:  maps.Clone(e.stats.pushErrs),
+	}
+	if e.stats.pushes != nil {
+		s.Pushes = make(map[string][]string, len(e.stats.pushes))
+		for k, v := range e.stats.pushes {
+			s.Pushes[k] = append([]string(nil), v...)
+		}
 	}
 	for id, m := range e.stats.reqIDs {
 		s.ReqIDs[id] = maps.Clone(m)
