@@ -14,6 +14,10 @@ func encodeBody(id string) string {
 
 func metaBody(id string) string { return fmt.Sprintf(`{"req_id":%q,"part_idx":0}`, id) }
 
+func registerBody(id, url string, count int) string {
+	return fmt.Sprintf(`{"req_id":%q,"receive_count":%d,"receive_url":%q,"modality":"IMAGE"}`, id, count, url)
+}
+
 func sendBody(id string, port int) string {
 	return fmt.Sprintf(`{"req_id":%q,"part_idx":0,"embedding_size":524288,"embedding_len":256,"embedding_dim":1024,"prefill_host":"10.0.0.1","embedding_port":%d,"session_id":"10.0.0.1:17000","buffer_address":140737488355328,"receive_count":2}`, id, port)
 }

@@ -43,6 +43,7 @@ import (
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -718,7 +719,7 @@ func TestChaos504Storms(t *testing.T) {
 	}, clock.NewFake(time.Now()))
 	back := c.owned("storm-back", "enc-1", 200)
 	storm := fakeencoder.Faults{FailureRate: 1, FailStatus: http.StatusGatewayTimeout,
-		FailMessage: upstream.MetadataNotReady, FailRoutes: []string{routeMetadata}}
+		FailMessage: sglang.MetadataNotReady, FailRoutes: []string{routeMetadata}}
 	for _, e := range c.encs {
 		e.SetFaults(storm)
 	}
@@ -903,7 +904,7 @@ var chaosFaults = []struct {
 	}},
 	{"504-storm", func(e *fakeencoder.Encoder, rnd *rand.Rand, _ time.Duration) {
 		e.SetFaults(fakeencoder.Faults{FailureRate: 0.5 + rnd.Float64()/2, FailStatus: http.StatusGatewayTimeout,
-			FailMessage: upstream.MetadataNotReady, FailRoutes: []string{routeMetadata}})
+			FailMessage: sglang.MetadataNotReady, FailRoutes: []string{routeMetadata}})
 	}},
 	{"500s", func(e *fakeencoder.Encoder, rnd *rand.Rand, _ time.Duration) {
 		e.SetFaults(fakeencoder.Faults{FailureRate: rnd.Float64(), FailMessage: "Internal encoding error: CUDA out of memory"})
@@ -1073,16 +1074,16 @@ func TestChaosMemoryBoundedMillionReqIDs(t *testing.T) {
 		pins.Set(id, enc.Name, enc.ID())
 		switch i % 4 {
 		case 0:
-			pins.Fail(id, 500, "Internal encoding error: injected")
+			pins.Fail(id, 500, "Internal encoding error: injected", true, false)
 		case 1, 2:
 			body = append(body, `","part_idx":0,"embedding_size":524288,"embedding_len":256,"embedding_dim":1024,`+
 				`"prefill_host":"10.0.0.1","embedding_port":40000,"session_id":"10.0.0.1:17000",`+
 				`"buffer_address":140737488355328,"receive_count":1}`...)
-			req, err := idempotency.ParseSend(body)
+			parsed, err := sglang.ParseSend(body)
 			if err != nil {
 				t.Fatal(err)
 			}
-			res := s.sends.Do(context.Background(), req, deadline, forward)
+			res := s.sends.Do(context.Background(), idempotency.NewSend(parsed), deadline, forward)
 			if res.Outcome != idempotency.Forwarded || !res.Released {
 				t.Fatalf("/send %s: outcome %v, released %v", id, res.Outcome, res.Released)
 			}

@@ -16,34 +16,37 @@ import (
 )
 
 // Config is the gateway's YAML file. DefaultConfig holds every default.
+// Each section says whether a reload applies it (reload:"live") or it
+// needs a restart (reload:"restart"); an untagged struct says so field by
+// field (Limits).
 type Config struct {
 	// Listen is the encoder-facing address (default 127.0.0.1:8080).
-	Listen string `yaml:"listen"`
+	Listen string `yaml:"listen" reload:"restart"`
 	// AdminListen serves /metrics, /healthz, /readyz and /admin/... (default
 	// 127.0.0.1:9090). It must differ from Listen.
-	AdminListen string `yaml:"admin_listen"`
+	AdminListen string `yaml:"admin_listen" reload:"restart"`
 	// Encoders is the fleet; at least one.
-	Encoders []upstream.EncoderConfig `yaml:"encoders"`
+	Encoders []upstream.EncoderConfig `yaml:"encoders" reload:"live"`
 	// Affinity controls req_id pinning.
-	Affinity upstream.AffinityConfig `yaml:"affinity"`
+	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`
 	// Upstream controls connections to encoders.
-	Upstream upstream.ClientConfig `yaml:"upstream"`
+	Upstream upstream.ClientConfig `yaml:"upstream" reload:"live"`
 	// Retry is the per-route retry policy and the retry budget.
-	Retry upstream.RetryConfig `yaml:"retry"`
+	Retry upstream.RetryConfig `yaml:"retry" reload:"live"`
 	// Breaker is the per-encoder circuit breaker.
-	Breaker upstream.BreakerConfig `yaml:"breaker"`
+	Breaker upstream.BreakerConfig `yaml:"breaker" reload:"live"`
 	// Health is the active health check of every encoder.
-	Health upstream.HealthConfig `yaml:"health"`
+	Health upstream.HealthConfig `yaml:"health" reload:"live"`
 	// Idempotency controls /send deduplication.
-	Idempotency idempotency.Config `yaml:"idempotency"`
+	Idempotency idempotency.Config `yaml:"idempotency" reload:"restart"`
 	// Limits bounds what a caller can make the gateway hold.
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
-	Shutdown ShutdownConfig `yaml:"shutdown"`
+	Shutdown ShutdownConfig `yaml:"shutdown" reload:"restart"`
 	// Admin protects the admin listener.
-	Admin AdminConfig `yaml:"admin"`
+	Admin AdminConfig `yaml:"admin" reload:"live"`
 	// Log controls the zap logger.
-	Log configfile.Log `yaml:"log"`
+	Log configfile.Log `yaml:"log" reload:"live"`
 }
 
 // ShutdownConfig is the gateway's shutdown section: the grace every role
@@ -70,31 +73,31 @@ type AdminConfig struct {
 // MaxInflightPerEncoder changes on a reload; the others need a restart.
 type LimitsConfig struct {
 	// MaxBodyBytes bounds a request body (default 8MiB); larger gets 413.
-	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes"`
+	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes" reload:"restart"`
 	// MaxHeaderBytes bounds the request line and headers together (default
 	// 64KiB); larger gets 431. It is also the size of each connection's read
 	// buffer (fasthttp's ReadBufferSize).
-	MaxHeaderBytes configfile.ByteSize `yaml:"max_header_bytes"`
+	MaxHeaderBytes configfile.ByteSize `yaml:"max_header_bytes" reload:"restart"`
 	// ReadHeaderTimeout bounds reading the request line and headers,
 	// counted from the connection's opening for its first request and from
 	// the first byte for later ones (default 10s). A client that trickles
 	// its headers is answered 408 and cut off then.
-	ReadHeaderTimeout configfile.Duration `yaml:"read_header_timeout"`
+	ReadHeaderTimeout configfile.Duration `yaml:"read_header_timeout" reload:"restart"`
 	// ReadTimeout bounds reading the body, counted from the end of the
 	// headers (default 60s).
-	ReadTimeout configfile.Duration `yaml:"read_timeout"`
+	ReadTimeout configfile.Duration `yaml:"read_timeout" reload:"restart"`
 	// WriteTimeout bounds writing one response (default 60s).
-	WriteTimeout configfile.Duration `yaml:"write_timeout"`
+	WriteTimeout configfile.Duration `yaml:"write_timeout" reload:"restart"`
 	// IdleTimeout closes keep-alive connections idle this long (default 120s).
-	IdleTimeout configfile.Duration `yaml:"idle_timeout"`
+	IdleTimeout configfile.Duration `yaml:"idle_timeout" reload:"restart"`
 	// MaxConns bounds open client connections (default 10000). One more is
 	// answered with a 503 envelope and closed.
-	MaxConns int `yaml:"max_conns"`
+	MaxConns int `yaml:"max_conns" reload:"restart"`
 	// MaxInflightPerEncoder bounds the exchanges in flight to one encoder,
 	// its agent's /sends included (default 1024). One more is not sent: it
 	// gets a 503 envelope at once (or, where its route's retry policy
 	// retries connect_failure, is retried: /encode on the next encoder).
-	MaxInflightPerEncoder int `yaml:"max_inflight_per_encoder"`
+	MaxInflightPerEncoder int `yaml:"max_inflight_per_encoder" reload:"live"`
 }
 
 // Bounds of limits.max_header_bytes: a request line must fit, and every open

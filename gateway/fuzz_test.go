@@ -2,12 +2,8 @@ package gateway
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -73,11 +69,11 @@ func FuzzGatewayConfig(f *testing.F) {
 	})
 }
 
-// FuzzBodyFields checks the two fields the gateway reads out of bodies
-// without decoding them against encoding/json: the req_id of an error
-// envelope (reqIDOf) and the message of an encoder's error answer
-// (upstreamMessage, else the trimmed raw text); and that the envelope
-// carrying the message is valid JSON that gives it back.
+// FuzzBodyFields checks the message the gateway reads out of an encoder's
+// error answer without decoding it (upstream.AnswerMessage: the envelope's
+// message, else the trimmed raw text) against encoding/json, and that the
+// envelope carrying it, with the body's req_id, is valid JSON that gives
+// both back.
 func FuzzBodyFields(f *testing.F) {
 	for _, s := range []string{
 		`{"status":"error","message":"encode metadata not ready","req_id":"r-1"}`,
@@ -111,19 +107,15 @@ func FuzzBodyFields(f *testing.F) {
 		if !ok {
 			wantMsg = strings.TrimSpace(string(body))
 		}
-		msg := upstreamMessage(body)
+		msg := upstream.AnswerMessage(body)
 		if msg != wantMsg {
-			t.Fatalf("upstreamMessage(%q) = %q, encoding/json reads %q", body, msg, wantMsg)
+			t.Fatalf("AnswerMessage(%q) = %q, encoding/json reads %q", body, msg, wantMsg)
 		}
-
-		var wantID *string
-		if id, ok := field("req_id"); ok && id != "" {
-			wantID = &id
+		var id *string
+		if v, ok := field("req_id"); ok {
+			id = &v
 		}
-		if got := reqIDOf(body); (got == nil) != (wantID == nil) || got != nil && *got != *wantID {
-			t.Fatalf("reqIDOf(%q) = %v, encoding/json reads %v", body, deref(got), deref(wantID))
-		}
-		checkEnvelope(t, 500, msg, wantID)
+		checkEnvelope(t, 500, msg, id)
 	})
 }
 
@@ -166,103 +158,4 @@ func checkEnvelope(t *testing.T, status int, msg string, reqID *string) {
 	if !bytes.HasSuffix(body, []byte(`,"req_id":null}`)) && reqID == nil {
 		t.Fatalf("envelope without req_id: %q", body)
 	}
-}
-
-// fuzzTimeout is a net.Error that timed out.
-type fuzzTimeout struct{}
-
-func (fuzzTimeout) Error() string   { return "i/o timeout" }
-func (fuzzTimeout) Timeout() bool   { return true }
-func (fuzzTimeout) Temporary() bool { return true }
-
-// gatewayErr builds an error the gateway can hit from kind (wrapped kind/16
-// times).
-func gatewayErr(kind uint8, msg, name string) error {
-	var err error
-	switch kind % 16 {
-	case 0:
-		err = &requestError{msg}
-	case 1:
-		err = errRequestTooLarge
-	case 2:
-		err = upstream.ErrNoEncoder
-	case 3:
-		err = &upstream.UnknownEncoderError{Name: name}
-	case 4:
-		err = &upstream.UnusableEncoderError{Name: name, State: "down"}
-	case 5:
-		err = fasthttp.ErrNoFreeConns
-	case 6:
-		err = &upstream.DialError{Encoder: name, Err: errors.New(msg)}
-	case 7:
-		err = &upstream.DialError{Encoder: name, Err: &net.OpError{Op: "dial", Err: fuzzTimeout{}}}
-	case 8:
-		err = fasthttp.ErrTimeout
-	case 9:
-		err = context.DeadlineExceeded
-	case 10:
-		err = fasthttp.ErrBodyTooLarge
-	case 11:
-		err = io.ErrUnexpectedEOF
-	case 12:
-		err = &net.OpError{Op: "read", Err: fuzzTimeout{}}
-	case 13:
-		err = &upstream.StaleConnError{Err: io.EOF}
-	default:
-		err = errors.New(msg)
-	}
-	for range kind / 16 {
-		err = fmt.Errorf("while forwarding: %w", err)
-	}
-	return err
-}
-
-// FuzzEnvelopeClassifier checks statusFor and messageFor on errors the
-// gateway can hit, alone or joined: the status is one of the five the
-// gateway answers with, wrapping changes nothing, a caller's mistake is 400
-// with its own message, every other message is the gateway's and names the
-// encoder it talked to, and the envelope carrying it is valid.
-func FuzzEnvelopeClassifier(f *testing.F) {
-	for k := range 16 {
-		f.Add(uint8(k), uint8(255), "missing or invalid req_id", "enc-a", true)
-	}
-	f.Add(uint8(6+16), uint8(12), "connection refused", "enc-b", true)
-	f.Add(uint8(0+32), uint8(1), "encgate: request body must be a JSON object", "", false)
-	f.Add(uint8(4), uint8(6), "x", "enc \"c\"", true)
-	f.Add(uint8(15), uint8(0), "\xff\xfe", "\xc3", true)
-	f.Fuzz(func(t *testing.T, kind, kind2 uint8, msg, name string, withEnc bool) {
-		err := gatewayErr(kind, msg, name)
-		if kind2 != 255 {
-			err = errors.Join(err, gatewayErr(kind2, msg, name))
-		}
-		var enc *upstream.Encoder
-		if withEnc {
-			enc = &upstream.Encoder{Name: name, URL: "http://127.0.0.1:1"}
-		}
-		status := statusFor(err)
-		switch status {
-		case 400, 413, 502, 503, 504:
-		default:
-			t.Fatalf("statusFor(%v) = %d", err, status)
-		}
-		if s2 := statusFor(fmt.Errorf("outer: %w", err)); s2 != status {
-			t.Fatalf("wrapping %v changes its status from %d to %d", err, status, s2)
-		}
-		message := messageFor(err, enc)
-		var bad *requestError
-		switch {
-		case errors.As(err, &bad):
-			if status != 400 || message != bad.msg {
-				t.Fatalf("a caller's mistake %v answered %d %q", err, status, message)
-			}
-		case !strings.HasPrefix(message, "encgate: "):
-			t.Fatalf("messageFor(%v) = %q, not the gateway's", err, message)
-		case enc != nil && (status == 502 || status == 504) && !strings.Contains(message, enc.Name):
-			t.Fatalf("messageFor(%v) = %q does not name encoder %q", err, message, enc.Name)
-		case status == 413 && !errors.Is(err, errRequestTooLarge):
-			t.Fatalf("413 for %v", err)
-		}
-		id := name
-		checkEnvelope(t, status, message, &id)
-	})
 }

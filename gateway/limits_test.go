@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fakeencoder"
@@ -386,29 +385,6 @@ func TestMaxInflightSendsEncodeToTheNextEncoder(t *testing.T) {
 	release()
 	if r := <-held; r.err != nil || r.a.status != 200 {
 		t.Fatalf("held /encode: %v %+v", r.err, r.a)
-	}
-}
-
-// The classifier and the policies see the in-flight limit as the gateway's
-// own refusal: 503, nothing delivered, not the encoder's fault.
-func TestInflightLimitErrorClass(t *testing.T) {
-	err := fmt.Errorf("attempt: %w", &upstream.InflightLimitError{Encoder: "enc-3", Limit: 8})
-	enc := &upstream.Encoder{Name: "enc-3", URL: "http://10.0.0.3:30000"}
-	if got := statusFor(err); got != fasthttp.StatusServiceUnavailable {
-		t.Errorf("statusFor = %d", got)
-	}
-	if got, want := messageFor(err, enc), "encgate: encoder enc-3 already has 8 requests in flight (limits.max_inflight_per_encoder); try again later"; got != want {
-		t.Errorf("messageFor = %q, want %q", got, want)
-	}
-	if !upstream.NotDelivered(err) {
-		t.Error("NotDelivered = false: retry policies could not send it elsewhere")
-	}
-	if got := upstream.DefaultBreaker().Classify(upstream.Outcome{Err: err}); got != upstream.ClassIgnored {
-		t.Errorf("breaker class %q, want %q", got, upstream.ClassIgnored)
-	}
-	if !(upstream.Condition{Kind: upstream.OnConnectFailure}).Matches(upstream.Outcome{Err: err}) ||
-		(upstream.Condition{Kind: upstream.OnTimeout}).Matches(upstream.Outcome{Err: err}) {
-		t.Error("want connect_failure and not timeout")
 	}
 }
 

@@ -79,10 +79,9 @@ func TestUpstreamErrorsPassThrough(t *testing.T) {
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			up.answer(tc.path, tc.a)
-			body := fmt.Sprintf(`{"req_id":"p%d","part_idx":0}`, i)
-			if tc.path == "/send" {
-				body = sendBody(fmt.Sprintf("p%d", i), 40000)
-			}
+			id := fmt.Sprintf("p%d", i)
+			body := map[string]string{"/encode": encodeBody(id), "/scheduler_receive_meta_data": metaBody(id),
+				"/scheduler_receive_url": registerBody(id, "10.0.0.1:5000", 2), "/send": sendBody(id, 40000)}[tc.path]
 			a := post(t, g.base+tc.path, body)
 			if a.status != tc.a.status || a.body != tc.a.body {
 				t.Fatalf("got %d %q, want %d %q", a.status, a.body, tc.a.status, tc.a.body)

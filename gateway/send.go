@@ -2,52 +2,37 @@ package gateway
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/valyala/fasthttp"
 
 	"github.com/encgate/encgate/idempotency"
-	"github.com/encgate/encgate/internal/jsonfield"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // headerReplayed marks every /send answer that was not this caller's own
 // forwarded call: coalesced, replayed, or answered from release state.
 const headerReplayed = "X-Encgate-Replayed"
 
-// serveSend is the /send path: exactly one call per (req_id, destination)
-// reaches the encoder; every caller gets that one answer. A replay parses
-// the body once and allocates only its key.
-func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *route) {
-	req, err := idempotency.ParseSend(ctx.PostBody())
-	if err != nil {
-		writeEnvelope(ctx, fasthttp.StatusBadRequest, sendParseMessage(err), reqIDOf(ctx.PostBody()))
-		return
-	}
+// serveSend is the dedupe step of /send: exactly one call per (req_id,
+// destination) reaches the encoder; every caller gets that one answer. A
+// replay allocates only its key.
+func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sglang.Send) {
+	req := idempotency.NewSend(body)
 	if res, ok := s.sends.Replay(context.Background(), req); ok {
 		s.writeSendResult(ctx, req, res)
 		return
 	}
-	c := &call{ctx: ctx, route: rt, reqID: req.Key.ReqID}
-	deadline := s.clk.Now().Add(s.retry.Load().Send.Deadline.D())
+	deadline := s.clk.Now().Add(s.conf().Retry.Send.Deadline.D())
 	res := s.sends.Do(context.Background(), req, deadline, func(timeout time.Duration) (idempotency.Answer, bool) {
-		delivered := s.followUp(c, timeout)
-		return snapshot(ctx), delivered
+		resp := fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseResponse(resp)
+		r := s.exchange(ctx, rt, sglang.Request{ReqID: req.Key.ReqID}, timeout, resp)
+		s.answer(ctx, rt, req.Key.ReqID, r, resp)
+		return snapshot(ctx), r.Delivered
 	})
 	s.writeSendResult(ctx, req, res)
-}
-
-// reqIDOf returns the body's req_id for an error envelope, or nil.
-func reqIDOf(body []byte) *string {
-	var raw [1][]byte
-	if jsonfield.Lookup(body, reqIDKey, raw[:]) != nil {
-		return nil
-	}
-	if id, ok := jsonfield.String(raw[0]); ok && id != "" {
-		return &id
-	}
-	return nil
 }
 
 func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send, res idempotency.Result) {
@@ -63,8 +48,7 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 	case idempotency.Inflight, idempotency.Replayed:
 		writeAnswer(ctx, res.Answer)
 	case idempotency.Released:
-		writeEnvelope(ctx, fasthttp.StatusInternalServerError,
-			fmt.Sprintf("no staged embedding for req_id=%s (already released)", reqID), id())
+		writeEnvelope(ctx, fasthttp.StatusInternalServerError, sglang.AlreadyReleasedMessage(reqID), id())
 	case idempotency.Conflict:
 		writeEnvelope(ctx, fasthttp.StatusUnprocessableEntity, fmt.Sprintf(
 			"encgate: /send for req_id=%s to %s was already made with a different %s", reqID, req.Key.Dest, res.Field), id())
@@ -75,18 +59,6 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 			"encgate: an identical /send for req_id=%s to %s is still in flight past this call's deadline", reqID, req.Key.Dest), id())
 	}
 	ctx.Response.Header.Set(headerReplayed, "true")
-}
-
-func sendParseMessage(err error) string {
-	var syn *jsonfield.SyntaxError
-	switch {
-	case errors.Is(err, jsonfield.ErrNotObject):
-		return "encgate: request body must be a JSON object"
-	case errors.As(err, &syn), errors.Is(err, jsonfield.ErrTooDeep):
-		return "encgate: request body is not valid JSON: " + err.Error()
-	default:
-		return err.Error()
-	}
 }
 
 // snapshot copies the caller's response into an Answer the store and other

@@ -175,7 +175,7 @@ func TestMalformedSendIsRefusedBeforeTheEncoder(t *testing.T) {
 		`{"req_id":"m","prefill_host":"h","embedding_port":1,"buffer_address":1}`:                    "needs session_id",
 		`{"req_id":"m","embedding_port":1,"session_id":"s","buffer_address":1}`:                      "needs prefill_host",
 		`{"prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`:                "missing or invalid req_id",
-		`{"req_id":"m","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1.5}`: "needs session_id",
+		`{"req_id":"m","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1.5}`: "needs buffer_address",
 	} {
 		a := post(t, g.base+"/send", body)
 		if a.status != 400 || !strings.Contains(a.body, msg) {

@@ -14,6 +14,8 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
 	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // The completion ack. sglang's receiver rank binds a PULL socket per
@@ -112,7 +114,7 @@ func parseAckQuery(raw string) (string, error) {
 // ackFrameFor returns the frame to push after req's transfer: nil when
 // ack.mode is off or (optional) none is staged. In required mode a missing
 // frame refuses the /send before any byte moves.
-func (a *Agent) ackFrameFor(req sendRequest) ([]byte, *sendError) {
+func (a *Agent) ackFrameFor(req sglang.Send) ([]byte, *sendError) {
 	if a.cfg.Ack.Mode == AckOff {
 		return nil, nil
 	}
@@ -127,15 +129,15 @@ func (a *Agent) ackFrameFor(req sendRequest) ([]byte, *sendError) {
 }
 
 // ackEndpoint is the receiver rank's PULL socket, host:port.
-func ackEndpoint(req sendRequest) string {
-	return net.JoinHostPort(req.PrefillHost, strconv.FormatInt(req.EmbeddingPort, 10))
+func ackEndpoint(req sglang.Send) string {
+	return net.JoinHostPort(req.PrefillHost, strconv.Itoa(req.EmbeddingPort))
 }
 
 // ack pushes frame to req's destination after its transfer was confirmed,
 // once per destination of e. A nil frame, or a destination already acked,
 // is skipped.
-func (a *Agent) ack(ctx context.Context, e *entry, req sendRequest, frame []byte, nbytes int) *sendError {
-	if frame == nil || !a.store.claimAck(e, req.dest()) {
+func (a *Agent) ack(ctx context.Context, e *entry, req sglang.Send, frame []byte, nbytes int) *sendError {
+	if frame == nil || !a.store.claimAck(e, req.Dest()) {
 		a.metrics.acks.WithLabelValues(ackSkipped).Inc()
 		return nil
 	}
@@ -146,7 +148,7 @@ func (a *Agent) ack(ctx context.Context, e *entry, req sendRequest, frame []byte
 	if err != nil {
 		a.metrics.acks.WithLabelValues(ackFailed).Inc()
 		return &sendError{status: http.StatusInternalServerError, msg: fmt.Sprintf(
-			"encgate: %d bytes for %s reached session=%s, but the ack to tcp://%s (prefill_host:embedding_port) failed, so the receiver will not know: %v",
+			"encgate: %d bytes for %s reached session=%s, but the ack to tcp://%s (prefill_host:embedding_port) failed, "+sglang.ReceiverNotTold+": %v",
 			nbytes, req.ReqID, req.SessionID, endpoint, err)}
 	}
 	a.metrics.acks.WithLabelValues(ackSent).Inc()

@@ -19,6 +19,7 @@ import (
 
 	"github.com/encgate/encgate/gpuagent/mooncake"
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // Agent is a running gpuagent: the control API (staging, /send,
@@ -377,20 +378,15 @@ func (s *statusRecorder) WriteHeader(code int) {
 
 func (s *statusRecorder) Unwrap() http.ResponseWriter { return s.ResponseWriter }
 
-// envelope is the sglang encoder's error shape. Keys keep the encoder's order.
-type envelope struct {
-	Status  string  `json:"status"`
-	Message string  `json:"message"`
-	ReqID   *string `json:"req_id"` // null when the request had none
-}
-
 // writeEnvelope answers with the encoder's error envelope; reqID "" is null.
 func writeEnvelope(w http.ResponseWriter, status int, message, reqID string) {
-	env := envelope{Status: "error", Message: message}
+	var id *string
 	if reqID != "" {
-		env.ReqID = &reqID
+		id = &reqID
 	}
-	writeJSON(w, status, env)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(sglang.AppendEnvelope(nil, message, id))
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

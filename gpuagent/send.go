@@ -7,86 +7,15 @@ import (
 	"io"
 	"net/http"
 	"runtime/debug"
-	"strconv"
 
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/gpuagent/mooncake"
-	"github.com/encgate/encgate/internal/jsonfield"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // maxSendBody bounds a /send body (sglang's are a few hundred bytes).
 const maxSendBody = 64 << 10
-
-// sendRequest is sglang's /send body, as far as the agent reads it.
-type sendRequest struct {
-	ReqID         string
-	PartIdx       *int64 // nil when absent or null
-	PrefillHost   string
-	EmbeddingPort int64
-	SessionID     string
-	BufferAddress uint64
-	ReceiveCount  int64 // 0 when absent or null: leave the release to the sweep
-}
-
-// dest is the destination sglang counts for the refcount.
-func (r sendRequest) dest() string {
-	return r.PrefillHost + ":" + strconv.FormatInt(r.EmbeddingPort, 10)
-}
-
-var sendKeys = []string{"req_id", "part_idx", "prefill_host", "embedding_port", "session_id", "buffer_address", "receive_count"}
-
-// parseSend reads a /send body without decoding it: buffer_address is parsed
-// from its digits as a uint64. ReqID is set whenever the body has one, even
-// when another field is wrong. Errors are *badRequest.
-func parseSend(body []byte) (sendRequest, error) {
-	var r sendRequest
-	var raw [7][]byte
-	if err := jsonfield.Lookup(body, sendKeys, raw[:]); err != nil {
-		return r, badf("encgate: /send body is not a JSON object: %v", err)
-	}
-	if id, ok := jsonfield.String(raw[0]); ok {
-		r.ReqID = id
-	}
-	if r.ReqID == "" {
-		return r, badf("missing or invalid req_id")
-	}
-	if !jsonfield.IsNull(raw[1]) {
-		n, ok := jsonfield.Int(raw[1])
-		if !ok {
-			return r, badf("encgate: invalid part_idx %s", raw[1])
-		}
-		r.PartIdx = &n
-	}
-	var ok bool
-	if r.PrefillHost, ok = jsonfield.String(raw[2]); !ok || r.PrefillHost == "" {
-		return r, badf("encgate: missing or invalid prefill_host")
-	}
-	if r.EmbeddingPort, ok = jsonfield.Int(raw[3]); !ok || r.EmbeddingPort < 1 || r.EmbeddingPort > 65535 {
-		return r, badf("encgate: missing or invalid embedding_port")
-	}
-	if r.SessionID, ok = jsonfield.String(raw[4]); !ok || r.SessionID == "" {
-		return r, badf("encgate: missing or invalid session_id")
-	}
-	if r.BufferAddress, ok = parseUint64(raw[5]); !ok {
-		return r, badf("encgate: missing or invalid buffer_address (want a non-negative integer)")
-	}
-	if !jsonfield.IsNull(raw[6]) {
-		if r.ReceiveCount, ok = jsonfield.Int(raw[6]); !ok || r.ReceiveCount < 0 {
-			return r, badf("encgate: invalid receive_count %s", raw[6])
-		}
-	}
-	return r, nil
-}
-
-// parseUint64 parses a raw JSON integer in [0, 2^64).
-func parseUint64(raw []byte) (uint64, bool) {
-	if len(raw) == 0 || raw[0] < '0' || raw[0] > '9' {
-		return 0, false
-	}
-	n, err := strconv.ParseUint(string(raw), 10, 64)
-	return n, err == nil
-}
 
 // sendError is a /send failure: the status and sglang-shaped message.
 type sendError struct {
@@ -112,12 +41,12 @@ func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
 		writeEnvelope(w, http.StatusBadRequest, "encgate: reading the /send body: "+err.Error(), "")
 		return
 	}
-	req, err := parseSend(body)
-	if err != nil {
-		if req.ReqID != "" {
-			a.store.releaseID(req.ReqID) // as sglang: any error inside /send releases
+	req, ferr := sglang.ParseSend(body)
+	if ferr != nil {
+		if ferr.ReqID != "" {
+			a.store.releaseID(ferr.ReqID) // as sglang: any error inside /send releases
 		}
-		writeEnvelope(w, http.StatusBadRequest, err.Error(), req.ReqID)
+		writeEnvelope(w, http.StatusBadRequest, ferr.Message, ferr.ReqID)
 		return
 	}
 	if serr := a.send(r.Context(), req); serr != nil {
@@ -134,11 +63,11 @@ func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
 
 // send runs sglang's checks, the transfer, the ack and the completion notice
 // for one destination, then counts it. Any failure releases the req_id.
-func (a *Agent) send(ctx context.Context, req sendRequest) *sendError {
+func (a *Agent) send(ctx context.Context, req sglang.Send) *sendError {
 	e := a.store.acquire(req.ReqID)
 	if e == nil {
 		return &sendError{status: http.StatusInternalServerError,
-			msg: fmt.Sprintf("no staged embedding for req_id=%s (already released)", req.ReqID)}
+			msg: sglang.AlreadyReleasedMessage(req.ReqID)}
 	}
 	defer a.store.done(e)
 	select {
@@ -155,15 +84,15 @@ func (a *Agent) send(ctx context.Context, req sendRequest) *sendError {
 }
 
 // transfer is send's part after the entry is ready.
-func (a *Agent) transfer(ctx context.Context, e *entry, req sendRequest) *sendError {
+func (a *Agent) transfer(ctx context.Context, e *entry, req sglang.Send) *sendError {
 	internal := func(format string, args ...any) *sendError {
 		return &sendError{status: http.StatusInternalServerError, msg: fmt.Sprintf(format, args...)}
 	}
 	if !a.store.live(e) {
-		return internal("no staged embedding for req_id=%s (already released)", req.ReqID)
+		return internal("%s", sglang.AlreadyReleasedMessage(req.ReqID))
 	}
 	if e.failed != "" {
-		return internal("No embedding available for Mooncake GPU-direct transfer: %s", req.ReqID)
+		return internal("%s: %s", sglang.NoEmbedding, req.ReqID)
 	}
 	if want := e.tokens * e.dim * e.elem; int64(len(e.mem.data)) != want {
 		return internal("Embedding size mismatch for %s: actual=%d, expected=%d (shape=[%d, %d], element_size=%d)",
@@ -197,23 +126,27 @@ func (a *Agent) transfer(ctx context.Context, e *entry, req sendRequest) *sendEr
 	if serr := a.ack(ctx, e, req, frame, nbytes); serr != nil {
 		return serr
 	}
+	var partIdx *int64
+	if req.HasPartIdx {
+		partIdx = &req.PartIdx
+	}
 	err = a.notifier.Notify(ctx, Completion{
-		ReqID: req.ReqID, PartIdx: req.PartIdx, PrefillHost: req.PrefillHost, EmbeddingPort: req.EmbeddingPort,
+		ReqID: req.ReqID, PartIdx: partIdx, PrefillHost: req.PrefillHost, EmbeddingPort: int64(req.EmbeddingPort),
 		EmbeddingSize: int64(nbytes), EmbeddingLen: e.tokens, EmbeddingDim: e.dim, Dtype: e.dtype,
 		SessionID: req.SessionID, BufferAddress: req.BufferAddress,
 	})
 	if err != nil {
 		a.metrics.notifyFailures.Inc()
-		return internal("encgate: %d bytes for %s reached session=%s, but the completion notice failed, so the receiver will not know: %v",
+		return internal("encgate: %d bytes for %s reached session=%s, but the completion notice failed, "+sglang.ReceiverNotTold+": %v",
 			nbytes, req.ReqID, req.SessionID, err)
 	}
-	a.store.sent(e, req.dest(), req.ReceiveCount)
+	a.store.sent(e, req.Dest(), int64(req.ReceiveCount))
 	return nil
 }
 
 // checkDestination refuses, before anything is sent, a session_id that does
 // not parse and a session host or prefill_host outside allow_networks.
-func (a *Agent) checkDestination(ctx context.Context, req sendRequest) *sendError {
+func (a *Agent) checkDestination(ctx context.Context, req sglang.Send) *sendError {
 	host, _, err := mooncake.ParseSessionID(req.SessionID)
 	if err != nil {
 		return &sendError{status: http.StatusBadRequest,
@@ -230,7 +163,7 @@ func (a *Agent) checkDestination(ctx context.Context, req sendRequest) *sendErro
 }
 
 // transferError maps an initiator error to the /send answer.
-func (a *Agent) transferError(req sendRequest, nbytes int, err error) *sendError {
+func (a *Agent) transferError(req sglang.Send, nbytes int, err error) *sendError {
 	var rangeErr *mooncake.RangeError
 	var rejected *mooncake.RejectedError
 	var notAllowed *NotAllowedError
@@ -253,7 +186,7 @@ func (a *Agent) transferError(req sendRequest, nbytes int, err error) *sendError
 	}
 	a.metrics.transfers.WithLabelValues(resultFailed).Inc()
 	return &sendError{status: http.StatusInternalServerError, msg: fmt.Sprintf(
-		"Mooncake transfer_sync failed for %s (session=%s, nbytes=%d, ret=-1): %v", req.ReqID, req.SessionID, nbytes, err)}
+		"%s for %s (session=%s, nbytes=%d, ret=-1): %v", sglang.TransferFailed, req.ReqID, req.SessionID, nbytes, err)}
 }
 
 // write runs the initiator. A /dev/shm file truncated by its writer after

@@ -345,37 +345,3 @@ func TestSendNotifiesAfterTheTransfer(t *testing.T) {
 		t.Fatalf("not released after a failed notice: %+v", st)
 	}
 }
-
-func TestParseSend(t *testing.T) {
-	ok := `{"req_id":"r","part_idx":3,"prefill_host":"10.0.0.1","embedding_port":5000,"session_id":"10.0.0.1:17000","buffer_address":18446744073709551615,"receive_count":2}`
-	r, err := parseSend([]byte(ok))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.BufferAddress != 1<<64-1 || r.ReceiveCount != 2 || *r.PartIdx != 3 || r.dest() != "10.0.0.1:5000" {
-		t.Fatalf("parsed %+v", r)
-	}
-	r, err = parseSend([]byte(`{"req_id":"r","part_idx":null,"prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":140737488355328,"receive_count":null}`))
-	if err != nil || r.PartIdx != nil || r.ReceiveCount != 0 || r.BufferAddress != 140737488355328 {
-		t.Fatalf("parsed %+v, %v", r, err)
-	}
-	for _, tc := range []struct{ body, want, id string }{
-		{`nope`, "not a JSON object", ""},
-		{`{}`, "missing or invalid req_id", ""},
-		{`{"req_id":""}`, "missing or invalid req_id", ""},
-		{`{"req_id":"r"}`, "prefill_host", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":"1"}`, "embedding_port", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":70000}`, "embedding_port", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":5}`, "session_id", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":-1}`, "buffer_address", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1.5e14}`, "buffer_address", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":18446744073709551616}`, "buffer_address", "r"},
-		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1,"receive_count":-2}`, "receive_count", "r"},
-		{`{"req_id":"r","part_idx":"0","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1}`, "part_idx", "r"},
-	} {
-		r, err := parseSend([]byte(tc.body))
-		if err == nil || !strings.Contains(err.Error(), tc.want) || r.ReqID != tc.id {
-			t.Errorf("parseSend(%s) = %+v, %v; want %q", tc.body, r, err, tc.want)
-		}
-	}
-}

@@ -36,7 +36,7 @@ func fillAndMeasure(records, tp int) float64 {
 		reqID := fmt.Sprintf("9f1c2d3e4b5a69788796a5b4c3d2e1f0_local_part_%d", i%8)
 		reqID = fmt.Sprintf("%s%d", reqID[:32], i) + reqID[32:]
 		for r := 0; r < tp; r++ {
-			k := NewKey(reqID, fmt.Sprintf("10.1.%d.%d", r, i%250), fmt.Sprint(40000+r)) // as ParseSend builds it
+			k := NewKey(reqID, fmt.Sprintf("10.1.%d.%d", r, i%250), 40000+r) // as NewSend builds it
 			rec.FP = Fingerprint{uint64(i), uint64(r)}
 			m.Complete(bg, k, rec, tp)
 		}

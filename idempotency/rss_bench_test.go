@@ -17,10 +17,11 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // BenchmarkMemoryRSS fills a memory store the way the gateway's /send path
-// does (ParseSend on a realistic body, then Sends.Do with a forward that
+// does (sglang.ParseSend on a realistic body, then Sends.Do with a forward that
 // answers 200 null as the encoder does) and reports the resident bytes
 // (RSS from /proc/self/statm) and the heap in use per record, each measured
 // after runtime.GC and debug.FreeOSMemory, before and after the fill.
@@ -113,11 +114,11 @@ func fillRSS(b *testing.B, records, tp int) rssResult {
 			body = fmt.Appendf(body, `{"req_id":"%s_local_part_%d","part_idx":%d,"embedding_size":0,"embedding_len":0,"embedding_dim":0,`+
 				`"prefill_host":%q,"embedding_port":%d,"session_id":"%s:%d","buffer_address":%d,"receive_count":%d}`,
 				ridHex, part, part, host, port+r, host, 17000+r, 140000000000000+uint64(i)*1<<20, tp)
-			req, err := ParseSend(body)
+			parsed, err := sglang.ParseSend(body)
 			if err != nil {
 				b.Fatalf("%s: %v", body, err)
 			}
-			if res := sends.Do(ctx, req, deadline, forward); res.Outcome != Forwarded {
+			if res := sends.Do(ctx, NewSend(parsed), deadline, forward); res.Outcome != Forwarded {
 				b.Fatalf("%s: outcome %d", body, res.Outcome)
 			}
 		}

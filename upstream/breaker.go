@@ -1,7 +1,6 @@
 package upstream
 
 import (
-	"context"
 	"errors"
 	"math"
 	"strconv"
@@ -10,16 +9,15 @@ import (
 	"time"
 
 	"github.com/sony/gobreaker/v2"
-	"github.com/valyala/fasthttp"
 
 	"github.com/encgate/encgate/internal/configfile"
 )
 
 // BreakerConfig configures the circuit breaker every encoder has. Only
-// instance faults count against an encoder: a failure with no answer, or a
-// 5xx answer that is not one of the caller-side messages in Ignore. 4xx
-// answers never count (sglang #25811: a burst of client 400s opened every
-// breaker of a fleet).
+// instance faults count against an encoder, as the exchange's Verdict says
+// (see Judge): never a 4xx (sglang #25811: a burst of client 400s opened
+// every breaker of a fleet), a long-poll that ran out, or a 5xx caused by
+// the request or by another request's failure.
 type BreakerConfig struct {
 	// ConsecutiveFailures trips the breaker after this many faults in a row
 	// (default 5).
@@ -40,18 +38,17 @@ type BreakerConfig struct {
 	// through; that many successes in a row close it, one fault reopens it
 	// (default 1).
 	HalfOpenRequests int `yaml:"half_open_requests"`
-	// Ignore lists answers that are never counted, neither as faults nor as
-	// successes: the encoder is fine, the caller asked too early or too
-	// late. Only status conditions belong here.
+	// Ignore lists further 5xx answers that are never counted, neither as
+	// faults nor as successes, beyond the caller-side answers the gateway
+	// knows from sglang (see Judge): an operator's additions. Only status
+	// conditions belong here.
 	Ignore []Condition `yaml:"ignore"`
 	// Disabled turns the breaker off: every request is allowed.
 	Disabled bool `yaml:"disabled"`
 }
 
-// DefaultBreaker returns the breaker defaults. The ignored answers are the
-// encoder's caller-side messages: a metadata wait that ran out because the
-// part's /encode never reached this encoder, and a /send for an embedding
-// that was already released (swept, or released after a sibling failed).
+// DefaultBreaker returns the breaker defaults. Ignore is empty: the
+// encoder's caller-side answers are known to Judge already.
 func DefaultBreaker() BreakerConfig {
 	return BreakerConfig{
 		ConsecutiveFailures: 5,
@@ -60,11 +57,7 @@ func DefaultBreaker() BreakerConfig {
 		Interval:            configfile.Duration(10 * time.Second),
 		OpenTimeout:         configfile.Duration(30 * time.Second),
 		HalfOpenRequests:    1,
-		Ignore: []Condition{
-			{Kind: OnStatus, Status: 504, BodyContains: "encode metadata not ready"},
-			{Kind: OnStatus, Status: 500, BodyContains: "already released"},
-			{Kind: OnStatus, Status: 500, BodyContains: "Encoder request was released"},
-		},
+		Ignore:              []Condition{},
 	}
 }
 
@@ -96,42 +89,6 @@ func (c BreakerConfig) Validate(p *configfile.Problems, path string) {
 			p.Addf(at, "unknown condition kind %d", cond.Kind)
 		}
 	}
-}
-
-// Breaker outcome classes, as Classify returns them.
-const (
-	ClassSuccess = "success"
-	ClassFault   = "fault"
-	ClassIgnored = "ignored"
-)
-
-// Classify says how the breaker counts o: "fault", "success" or "ignored".
-//
-//   - A failure with no answer (dial error, stale connection, timeout, broken
-//     exchange) is a fault, except two that say nothing about the encoder:
-//     the caller's own cancellation (context.Canceled) and the gateway's own
-//     connection limit for the encoder being reached (fasthttp.ErrNoFreeConns:
-//     a load burst on our side must not take a healthy encoder out, the
-//     #25811 lesson), which are ignored.
-//   - An answer matched by a status condition in Ignore is ignored.
-//   - Any other 5xx answer is a fault.
-//   - Every other answer, 4xx included, is a success: the encoder answered.
-func (c BreakerConfig) Classify(o Outcome) string {
-	if o.Err != nil {
-		if errors.Is(o.Err, context.Canceled) || errors.Is(o.Err, fasthttp.ErrNoFreeConns) {
-			return ClassIgnored
-		}
-		return ClassFault
-	}
-	for _, cond := range c.Ignore {
-		if cond.Kind == OnStatus && cond.Matches(o) {
-			return ClassIgnored
-		}
-	}
-	if o.Status >= 500 && o.Status <= 599 {
-		return ClassFault
-	}
-	return ClassSuccess
 }
 
 // BreakerState is a breaker's state. The values are those of the
@@ -180,7 +137,7 @@ type BreakerCounts struct {
 	ConsecutiveSuccesses uint32 `json:"consecutive_successes"`
 }
 
-// errFault and errIgnored carry Classify's verdict into gobreaker.
+// errFault and errIgnored carry a verdict's Mark into gobreaker.
 var (
 	errFault   = errors.New("upstream: encoder fault")
 	errIgnored = errors.New("upstream: outcome ignored by the breaker")
@@ -191,7 +148,7 @@ var (
 const halfOpenSlack = time.Millisecond
 
 // Breaker is one encoder's circuit breaker: a sony/gobreaker v2
-// TwoStepCircuitBreaker fed with Classify's verdicts. It is safe for
+// TwoStepCircuitBreaker fed with the Marks of the exchanges' verdicts. It is safe for
 // concurrent use.
 //
 // gobreaker reads time.Now itself; it takes no clock, so a Breaker runs on
@@ -301,8 +258,9 @@ func (b *Breaker) Name() string { return b.name }
 
 // Allow asks to send one request. ok is false when the breaker is open, or
 // half-open with its probe quota taken. When ok, done must be called exactly
-// once with the exchange's outcome (further calls are ignored).
-func (b *Breaker) Allow() (done func(Outcome), ok bool) {
+// once with the exchange's Mark (further calls are ignored; MarkNone
+// releases the slot as MarkIgnored does).
+func (b *Breaker) Allow() (done func(Mark), ok bool) {
 	if b.cb == nil {
 		return noopDone, true
 	}
@@ -311,22 +269,22 @@ func (b *Breaker) Allow() (done func(Outcome), ok bool) {
 		return nil, false
 	}
 	var once atomic.Bool
-	return func(o Outcome) {
+	return func(m Mark) {
 		if !once.CompareAndSwap(false, true) {
 			return
 		}
-		switch b.cfg.Classify(o) {
-		case ClassFault:
+		switch m {
+		case MarkFault:
 			report(errFault)
-		case ClassIgnored:
-			report(errIgnored)
-		default:
+		case MarkSuccess:
 			report(nil)
+		default:
+			report(errIgnored)
 		}
 	}, true
 }
 
-func noopDone(Outcome) {}
+func noopDone(Mark) {}
 
 // State returns the breaker's state (always closed when disabled).
 func (b *Breaker) State() BreakerState {

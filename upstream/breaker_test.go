@@ -13,6 +13,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // breakerTransition is one onChange call.
@@ -57,25 +58,31 @@ func noTransition(t *testing.T, ch <-chan breakerTransition) {
 	}
 }
 
-// send runs one request through b with outcome o; it fails if b refuses.
-func send(t *testing.T, b *Breaker, o Outcome) {
+// send runs one /encode through b with outcome o, as the exchange judges
+// it; it fails if b refuses.
+func send(t *testing.T, b *Breaker, o Observation) {
 	t.Helper()
 	done, ok := b.Allow()
 	if !ok {
 		t.Fatalf("Allow refused in state %s", b.State())
 	}
-	done(o)
+	done(mark(o))
+}
+
+// mark is the Mark the exchange's verdict gives o on /encode.
+func mark(o Observation) Mark {
+	return Judge(sglang.RouteEncode, nil, nil, Target{Encoder: "enc-a"}, o).Breaker
 }
 
 var (
-	answer500   = Outcome{Status: 500, Body: []byte(`{"status":"error","message":"CUDA error: out of memory"}`)}
-	answer400   = Outcome{Status: 400, Body: []byte(`{"status":"error","message":"bad request"}`)}
-	answer200   = Outcome{Status: 200, Body: []byte(`null`)}
-	answerLag   = Outcome{Status: 504, Body: []byte(`{"status":"error","message":"encode metadata not ready","req_id":"r1"}`)}
-	answerGone  = Outcome{Status: 500, Body: []byte(`{"status":"error","message":"no staged embedding for req_id=r1 (already released)"}`)}
-	answerRelsd = Outcome{Status: 500, Body: []byte(`{"status":"error","message":"Encoder request was released: r1"}`)}
-	dialFailure = Outcome{Err: &DialError{Encoder: "enc-a", Err: errors.New("connect: connection refused")}}
-	timedOut    = Outcome{Err: fmt.Errorf("exchange: %w", fasthttp.ErrTimeout)}
+	answer500   = Observation{Status: 500, Body: []byte(`{"status":"error","message":"CUDA error: out of memory"}`)}
+	answer400   = Observation{Status: 400, Body: []byte(`{"status":"error","message":"bad request"}`)}
+	answer200   = Observation{Status: 200, Body: []byte(`null`)}
+	answerLag   = Observation{Status: 504, Body: []byte(`{"status":"error","message":"encode metadata not ready","req_id":"r1"}`)}
+	answerGone  = Observation{Status: 500, Body: []byte(`{"status":"error","message":"no staged embedding for req_id=r1 (already released)"}`)}
+	answerRelsd = Observation{Status: 500, Body: []byte(`{"status":"error","message":"Encoder request was released: r1"}`)}
+	dialFailure = Observation{Err: &DialError{Encoder: "enc-a", Err: errors.New("connect: connection refused")}}
+	timedOut    = Observation{Err: fmt.Errorf("exchange: %w", fasthttp.ErrTimeout)}
 )
 
 // consecutiveOnly trips on consecutive faults only.
@@ -112,7 +119,7 @@ func TestBreakerTripsAfterConsecutiveFaults(t *testing.T) {
 }
 
 func TestBreakerNoAnswerFaultsCount(t *testing.T) {
-	for name, o := range map[string]Outcome{"dial error": dialFailure, "timeout": timedOut,
+	for name, o := range map[string]Observation{"dial error": dialFailure, "timeout": timedOut,
 		"broken exchange": {Err: errors.New("connection reset by peer")},
 		"stale":           {Err: &StaleConnError{Err: errors.New("EOF")}}} {
 		t.Run(name, func(t *testing.T) {
@@ -155,7 +162,7 @@ func TestBreakerRatioTrip(t *testing.T) {
 	noTransition(t, ch)
 	send(t, b, answer500) // 20 counted, 10 faults: ratio 0.5
 	waitTransition(t, ch, BreakerClosed, BreakerOpen)
-	inflight(answer200) // from the old generation: no effect
+	inflight(mark(answer200)) // from the old generation: no effect
 	if s := b.State(); s != BreakerOpen {
 		t.Fatalf("state = %s", s)
 	}
@@ -188,12 +195,12 @@ func TestBreakerCallerErrorsNeverTrip(t *testing.T) {
 	b, ch := newTestBreaker(t, cfg)
 	for i := 0; i < 200; i++ {
 		send(t, b, answer400)
-		send(t, b, Outcome{Status: 404 + i%20, Body: []byte(`{"message":"Unknown req_id"}`)})
+		send(t, b, Observation{Status: 404 + i%20, Body: []byte(`{"message":"Unknown req_id"}`)})
 		send(t, b, answerLag)
 		send(t, b, answerGone)
 		send(t, b, answerRelsd)
-		send(t, b, Outcome{Err: context.Canceled})
-		send(t, b, Outcome{Err: fasthttp.ErrNoFreeConns})
+		send(t, b, Observation{Err: context.Canceled})
+		send(t, b, Observation{Err: fasthttp.ErrNoFreeConns})
 	}
 	noTransition(t, ch)
 	if s := b.State(); s != BreakerClosed {
@@ -235,7 +242,7 @@ func TestBreakerHalfOpenCycle(t *testing.T) {
 	if _, ok := b.Allow(); ok {
 		t.Fatal("half-open breaker allowed a second probe")
 	}
-	probe(answer200)
+	probe(mark(answer200))
 	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
 	if s := b.State(); s != BreakerClosed {
 		t.Fatalf("state after a good probe = %s", s)
@@ -248,7 +255,7 @@ func TestBreakerHalfOpenCycle(t *testing.T) {
 	if !ok {
 		t.Fatal("half-open breaker refused its probe")
 	}
-	probe(answer500)
+	probe(mark(answer500))
 	waitTransition(t, ch, BreakerHalfOpen, BreakerOpen)
 	if _, ok := b.Allow(); ok {
 		t.Fatal("reopened breaker allowed a request")
@@ -284,7 +291,7 @@ func TestBreakerHalfOpenRequests(t *testing.T) {
 	}
 	waitTransition(t, ch, BreakerClosed, BreakerOpen)
 	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
-	var probes []func(Outcome)
+	var probes []func(Mark)
 	for i := 0; i < 3; i++ {
 		done, ok := b.Allow()
 		if !ok {
@@ -295,20 +302,20 @@ func TestBreakerHalfOpenRequests(t *testing.T) {
 	if _, ok := b.Allow(); ok {
 		t.Fatal("fourth probe allowed")
 	}
-	probes[0](answer200)
-	probes[1](answer200)
+	probes[0](mark(answer200))
+	probes[1](mark(answer200))
 	if s := b.State(); s != BreakerHalfOpen {
 		t.Fatalf("state after 2 of 3 = %s", s)
 	}
-	probes[2](answer200)
+	probes[2](mark(answer200))
 	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
 }
 
 func TestBreakerDoneTwiceCountsOnce(t *testing.T) {
 	b, _ := newTestBreaker(t, consecutiveOnly())
 	done, _ := b.Allow()
-	done(answer500)
-	done(answer500)
+	done(mark(answer500))
+	done(mark(answer500))
 	if c := b.Counts(); c.TotalFailures != 1 || c.Requests != 1 {
 		t.Fatalf("counts = %+v", c)
 	}
@@ -375,9 +382,9 @@ func TestBreakerConcurrent(t *testing.T) {
 			for i := 0; i < 2000; i++ {
 				if done, ok := b.Allow(); ok {
 					if i%3 == 0 {
-						done(answer500)
+						done(MarkFault)
 					} else {
-						done(answer200)
+						done(MarkSuccess)
 					}
 				}
 				_ = b.State()
@@ -386,70 +393,6 @@ func TestBreakerConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-}
-
-func TestBreakerClassify(t *testing.T) {
-	def := DefaultBreaker()
-	cases := []struct {
-		name string
-		o    Outcome
-		want string
-	}{
-		{"200", answer200, "success"},
-		{"204 empty", Outcome{Status: 204}, "success"},
-		{"302", Outcome{Status: 302}, "success"},
-		{"400", answer400, "success"},
-		{"404 unknown req_id", Outcome{Status: 404, Body: []byte("Unknown req_id")}, "success"},
-		{"408", Outcome{Status: 408}, "success"},
-		{"429", Outcome{Status: 429}, "success"},
-		{"499", Outcome{Status: 499}, "success"},
-		{"500", answer500, "fault"},
-		{"502", Outcome{Status: 502}, "fault"},
-		{"503 dp workers dead", Outcome{Status: 503, Body: []byte("All encoder DP workers are dead.")}, "fault"},
-		{"504 other", Outcome{Status: 504, Body: []byte("gateway timeout")}, "fault"},
-		{"599", Outcome{Status: 599}, "fault"},
-		{"ignore[0] 504 metadata not ready", answerLag, "ignored"},
-		{"ignore[1] 500 already released", answerGone, "ignored"},
-		{"ignore[2] 500 Encoder request was released", answerRelsd, "ignored"},
-		{"metadata message on a 500 is not ignored", Outcome{Status: 500, Body: []byte("encode metadata not ready")}, "fault"},
-		{"already released on a 504 is not ignored", Outcome{Status: 504, Body: []byte("already released")}, "fault"},
-		{"dial error", dialFailure, "fault"},
-		{"wrapped dial error", Outcome{Err: fmt.Errorf("try 2: %w", dialFailure.Err)}, "fault"},
-		{"stale connection", Outcome{Err: &StaleConnError{Err: errors.New("EOF")}}, "fault"},
-		{"timeout", timedOut, "fault"},
-		{"deadline", Outcome{Err: context.DeadlineExceeded}, "fault"},
-		{"reset", Outcome{Err: errors.New("read: connection reset by peer")}, "fault"},
-		{"error with a status left over", Outcome{Status: 200, Err: errors.New("broken")}, "fault"},
-		{"caller canceled", Outcome{Err: fmt.Errorf("x: %w", context.Canceled)}, "ignored"},
-		{"our connection limit", Outcome{Err: fasthttp.ErrNoFreeConns}, "ignored"},
-	}
-	for _, c := range cases {
-		if got := def.Classify(c.o); got != c.want {
-			t.Errorf("%s: Classify = %s, want %s", c.name, got, c.want)
-		}
-	}
-
-	none := DefaultBreaker()
-	none.Ignore = nil
-	if got := none.Classify(answerLag); got != "fault" {
-		t.Errorf("with no ignore list a 504 is %s", got)
-	}
-	// Non-status conditions in Ignore (Validate refuses them) never turn a
-	// fault into an ignored outcome.
-	bad := DefaultBreaker()
-	bad.Ignore = []Condition{{Kind: OnConnectFailure}, {Kind: OnTimeout}}
-	if got := bad.Classify(dialFailure); got != "fault" {
-		t.Errorf("connect_failure in ignore: %s", got)
-	}
-	if got := bad.Classify(timedOut); got != "fault" {
-		t.Errorf("timeout in ignore: %s", got)
-	}
-	// A status-only condition matches any body.
-	st := DefaultBreaker()
-	st.Ignore = []Condition{{Kind: OnStatus, Status: 502}}
-	if got := st.Classify(Outcome{Status: 502, Body: []byte("anything")}); got != "ignored" {
-		t.Errorf("{status: 502}: %s", got)
-	}
 }
 
 func TestBreakerStateString(t *testing.T) {
@@ -470,7 +413,7 @@ func TestBreakerValidate(t *testing.T) {
 		t.Fatalf("defaults: %v", err)
 	}
 	d := DefaultBreaker()
-	if len(d.Ignore) != 3 || d.ConsecutiveFailures != 5 || d.FailureRatio != 0.5 || d.MinRequests != 20 ||
+	if len(d.Ignore) != 0 || d.ConsecutiveFailures != 5 || d.FailureRatio != 0.5 || d.MinRequests != 20 ||
 		d.Interval.D() != 10*time.Second || d.OpenTimeout.D() != 30*time.Second || d.HalfOpenRequests != 1 || d.Disabled {
 		t.Fatalf("defaults = %+v", d)
 	}
@@ -583,12 +526,9 @@ func TestBreakerCountsARealDialError(t *testing.T) {
 	req.SetRequestURI("http://" + addr + "/encode")
 	req.Header.SetMethod("POST")
 	err = c.DoTimeout(req, resp, 5*time.Second)
-	o := Outcome{Err: err}
-	if err == nil || !NotDelivered(err) {
-		t.Fatalf("err = %v", err)
-	}
-	if got := DefaultBreaker().Classify(o); got != "fault" {
-		t.Fatalf("Classify(dial error) = %s", got)
+	v := Judge(sglang.RouteEncode, nil, nil, Target{Encoder: "enc-a"}, Observation{Err: err})
+	if err == nil || v.Kind != KindDialFailed || v.Delivery != NotSent || v.Breaker != MarkFault {
+		t.Fatalf("err = %v: verdict %+v", err, v)
 	}
 }
 

@@ -2,11 +2,9 @@ package upstream
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"strconv"
 
-	"github.com/valyala/fasthttp"
 	"go.yaml.in/yaml/v3"
 
 	"github.com/encgate/encgate/internal/configfile"
@@ -36,24 +34,19 @@ type Condition struct {
 	BodyContains string
 }
 
-// Outcome is what one exchange with an encoder produced: an answer (Err nil)
-// or a failure with no answer.
-type Outcome struct {
-	Status int
-	Body   []byte
-	Err    error
-}
-
-// Matches reports whether o meets c.
-func (c Condition) Matches(o Outcome) bool {
+// matches reports whether the verdict v (of an answer with body, when it
+// is one) meets c. connect_failure is every outcome that provably sent
+// nothing: a refused or failed connect, a stale pooled connection, the
+// gateway's own limits, a busy breaker.
+func (c Condition) matches(v *Verdict, body []byte) bool {
 	switch c.Kind {
 	case OnConnectFailure:
-		return o.Err != nil && NotDelivered(o.Err)
+		return v.Reason == ReasonConnectFailure
 	case OnTimeout:
-		return o.Err != nil && !NotDelivered(o.Err) && IsTimeout(o.Err)
+		return v.Kind == KindTimeout
 	default:
-		return o.Err == nil && o.Status == c.Status &&
-			(c.BodyContains == "" || bytes.Contains(o.Body, []byte(c.BodyContains)))
+		return v.Kind == KindAnswered && v.Status == c.Status &&
+			(c.BodyContains == "" || bytes.Contains(body, []byte(c.BodyContains)))
 	}
 }
 
@@ -120,12 +113,4 @@ func (c Condition) MarshalYAML() (any, error) {
 		m["body_contains"] = c.BodyContains
 	}
 	return m, nil
-}
-
-// NotDelivered reports whether err proves that no byte of the request
-// reached the encoder, so sending it again cannot duplicate it.
-func NotDelivered(err error) bool {
-	var dial *DialError
-	var busy *BreakerBusyError
-	return errors.As(err, &dial) || IsStale(err) || errors.Is(err, fasthttp.ErrNoFreeConns) || errors.As(err, &busy)
 }

@@ -18,7 +18,36 @@ type EncoderConfig struct {
 	// (http://host:7401): this encoder's /sends go there instead (the agent
 	// holds the staged embeddings). Dedupe and refcount stay in the gateway.
 	Agent string `yaml:"agent,omitempty"`
+	// Generation is the sglang generation the encoder runs: new (the
+	// default: the encoder/ package layout) or gen0 (the older flat
+	// encode_server.py, protocol reference §11). It decides how a
+	// registration for a part whose /encode failed reaches the rank's
+	// failure: forwarded to a gen0 encoder, which pushes its error frame to
+	// registered URLs; answered at once from the remembered failure for a
+	// new one, which would hold it.
+	Generation Generation `yaml:"generation,omitempty"`
 }
+
+// Generation is an sglang encoder generation.
+type Generation string
+
+// Generations.
+const (
+	GenNew Generation = "new"
+	Gen0   Generation = "gen0"
+)
+
+var generations = [...]Generation{GenNew, Gen0}
+
+// index is g's position in generations; unset is new.
+func (g Generation) index() uint32 {
+	if g == Gen0 {
+		return 1
+	}
+	return 0
+}
+
+func (g Generation) valid() bool { return g == "" || g == GenNew || g == Gen0 }
 
 // AffinityConfig controls how req_ids stay on the encoder that holds them.
 type AffinityConfig struct {
@@ -101,6 +130,9 @@ func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig)
 			if err := checkURL(e.Agent); err != "" {
 				p.Addf(at+".agent", "%s", err)
 			}
+		}
+		if !e.Generation.valid() {
+			p.Addf(at+".generation", "must be new or gen0, got %q", string(e.Generation))
 		}
 	}
 }

@@ -19,9 +19,9 @@ func (e *StaleConnError) Error() string { return errStaleConn.Error() + ": " + e
 // Unwrap returns the cause.
 func (e *StaleConnError) Unwrap() []error { return []error{errStaleConn, e.Err} }
 
-// IsStale reports whether err proves nothing was written because the
+// isStale reports whether err proves nothing was written because the
 // connection was already closed by the encoder.
-func IsStale(err error) bool { return errors.Is(err, errStaleConn) }
+func isStale(err error) bool { return errors.Is(err, errStaleConn) }
 
 // probedConn checks, before a request is written on a connection that has
 // already carried one, whether the encoder closed it while it sat idle in

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/encgate/encgate/internal/sglang"
+
 	"github.com/valyala/fasthttp"
 )
 
@@ -53,14 +55,15 @@ func TestStalePooledConnectionIsNotWrittenTo(t *testing.T) {
 	}
 	cc := DefaultClient()
 	cc.IdleConnTimeout = 4 // ns: every reuse is probed (the server closes at once)
-	e := &Encoder{Name: "e", host: u.Host, scheme: "http", client: newClient("e", u, cc)}
-	defer e.client.CloseIdleConnections()
+	e := &Encoder{Name: "e", self: hostClient{host: u.Host, scheme: "http", url: u.String(), client: newClient("e", u, cc)}}
+	defer e.self.client.CloseIdleConnections()
+	tgt := e.targetFor(sglang.RouteSend, nil)
 	for i := 0; i < 3; i++ {
 		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 		req.Header.SetMethod("POST")
 		req.SetRequestURI("/send")
 		req.SetBodyString(`{"req_id":"x"}`)
-		if err := e.Do(req, resp, 5*time.Second); err != nil {
+		if err := tgt.do(req, resp, 5*time.Second); err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
 		if resp.StatusCode() != 200 || string(resp.Body()) != "null" {

@@ -18,6 +18,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // FuzzParseRetryAfter checks ParseRetryAfter against references: delta-seconds
@@ -126,87 +127,64 @@ func fuzzErr(kind uint8) error {
 	return err
 }
 
-// FuzzClassify checks the breaker's classification and the retry
-// conditions on arbitrary outcomes: a 4xx answer is never a fault, a
-// failure with no answer never a success, an ignored answer is one an
-// ignore condition matches, wrapping an error changes nothing, and the
-// condition kinds exclude each other.
-func FuzzClassify(f *testing.F) {
-	f.Add(504, []byte(`{"status":"error","message":"encode metadata not ready"}`), uint8(0), 500, "already released")
-	f.Add(500, []byte(`Encoder request was released`), uint8(0), 0, "")
-	f.Add(400, []byte(`{"message":"bad"}`), uint8(0), 400, "bad")
-	f.Add(429, []byte(nil), uint8(0), 429, "")
-	f.Add(503, []byte(`All encoder DP workers are dead.`), uint8(0), 503, "dead")
-	f.Add(0, []byte(nil), uint8(1), 0, "")
-	f.Add(0, []byte(nil), uint8(4+16), 0, "")
-	f.Add(0, []byte(nil), uint8(5), 0, "")
-	f.Add(0, []byte(nil), uint8(8+32), 0, "")
-	f.Add(600, []byte("x"), uint8(0), 599, "x")
-	f.Add(-1, []byte("x"), uint8(0), 100, "")
-	f.Fuzz(func(t *testing.T, status int, body []byte, kind uint8, ignStatus int, ignBody string) {
-		cfg := DefaultBreaker()
+// FuzzJudge checks the one classifier on arbitrary outcomes of every
+// route: a 4xx answer is never a fault; provably-unsent outcomes are
+// exactly those retried as connect_failure; a long-poll's timeout is never a
+// fault; a /send is retried only when nothing was sent; the operator's
+// ignore list only ever takes faults away; wrapping an error changes
+// nothing; and the gateway's own envelope comes exactly with the failures
+// that had no answer.
+func FuzzJudge(f *testing.F) {
+	f.Add(504, []byte(`{"status":"error","message":"encode metadata not ready"}`), uint8(0), 500, "already released", uint8(1))
+	f.Add(500, []byte(`Encoder request was released`), uint8(0), 0, "", uint8(3))
+	f.Add(500, []byte(`Internal Server Error`), uint8(0), 0, "", uint8(0))
+	f.Add(400, []byte(`{"message":"bad"}`), uint8(0), 400, "bad", uint8(0))
+	f.Add(503, []byte(`All encoder DP workers are dead.`), uint8(0), 503, "dead", uint8(0))
+	f.Add(0, []byte(nil), uint8(1), 0, "", uint8(2))
+	f.Add(0, []byte(nil), uint8(6), 0, "", uint8(1))
+	f.Add(0, []byte(nil), uint8(4+16), 0, "", uint8(3))
+	f.Add(600, []byte("x"), uint8(0), 599, "x", uint8(0))
+	f.Add(-1, []byte("x"), uint8(0), 100, "", uint8(0))
+	routes := []*sglang.Route{sglang.RouteEncode, sglang.RouteMetadata, sglang.RouteReceiveURL, sglang.RouteSend}
+	f.Fuzz(func(t *testing.T, status int, body []byte, kind uint8, ignStatus int, ignBody string, route uint8) {
+		rt := routes[int(route)%len(routes)]
+		retry := DefaultRetry()
+		pol := retry.Policy(rt.Label)
+		var ignore []Condition
 		if ignStatus >= 100 && ignStatus <= 599 {
-			cfg.Ignore = append(cfg.Ignore, Condition{Kind: OnStatus, Status: ignStatus, BodyContains: ignBody})
+			ignore = []Condition{{Kind: OnStatus, Status: ignStatus, BodyContains: ignBody}}
 		}
 		err := fuzzErr(kind)
-		o := Outcome{Status: status, Body: body, Err: err}
-		class := cfg.Classify(o)
-		matched := false
-		for _, c := range cfg.Ignore {
-			matched = matched || c.Matches(o)
-		}
+		o := Observation{Status: status, Body: body, Err: err}
+		tgt := Target{Encoder: "e", URL: "http://h:1"}
+		v := Judge(rt, pol, ignore, tgt, o)
+		plain := Judge(rt, pol, nil, tgt, o)
 		switch {
-		case err != nil:
-			want := ClassFault
-			if errors.Is(err, context.Canceled) || errors.Is(err, fasthttp.ErrNoFreeConns) {
-				want = ClassIgnored
-			}
-			if class != want {
-				t.Fatalf("error %v classified %s, want %s", err, class, want)
-			}
-			if matched {
-				t.Fatalf("status condition matched a failure without an answer: %v", err)
-			}
-		case status >= 400 && status <= 499 && class == ClassFault:
+		case err == nil && v.Kind != KindAnswered, err != nil && v.Kind == KindAnswered:
+			t.Fatalf("%v: kind %s", err, v.Kind)
+		case err == nil && status >= 400 && status <= 499 && v.Breaker == MarkFault:
 			t.Fatalf("a %d answer counted as a fault", status)
-		case matched && class != ClassIgnored:
-			t.Fatalf("%d %q matched an ignore condition but classified %s", status, body, class)
-		case !matched && status >= 500 && status <= 599 && class != ClassFault:
-			t.Fatalf("%d %q classified %s, want fault", status, body, class)
-		case !matched && (status < 500 || status > 599) && class != ClassSuccess:
-			t.Fatalf("%d classified %s, want success", status, class)
+		case err == nil && status < 400 && v.Breaker != MarkSuccess:
+			t.Fatalf("a %d answer marked %s", status, v.Breaker)
+		case (v.Delivery == NotSent) != (v.Reason == ReasonConnectFailure):
+			t.Fatalf("%v: delivery %d, reason %q", err, v.Delivery, v.Reason)
+		case rt.LongPoll && v.Kind == KindTimeout && v.Breaker == MarkFault:
+			t.Fatalf("a %s timeout counted as a fault", rt.Path)
+		case rt == sglang.RouteSend && v.Retry && v.Delivery != NotSent:
+			t.Fatalf("a /send that may have been delivered is retried: %+v", o)
+		case plain.Breaker != MarkFault && v.Breaker != plain.Breaker:
+			t.Fatalf("the ignore list changed %s into %s", plain.Breaker, v.Breaker)
+		case (v.Kind == KindAnswered) == (v.Message != ""):
+			t.Fatalf("kind %s with message %q", v.Kind, v.Message)
+		case v.Label == "" || v.Encoder != "e":
+			t.Fatalf("label %q encoder %q", v.Label, v.Encoder)
+		case v.Kind != KindAnswered && (v.Status < 500 || v.Status > 599):
+			t.Fatalf("the gateway's own status %d", v.Status)
 		}
 		if err != nil {
-			if c2 := cfg.Classify(Outcome{Status: status, Body: body, Err: fmt.Errorf("more: %w", err)}); c2 != class {
-				t.Fatalf("wrapping %v changes its class from %s to %s", err, class, c2)
-			}
-		}
-		conn := Condition{Kind: OnConnectFailure}.Matches(o)
-		tmo := Condition{Kind: OnTimeout}.Matches(o)
-		if conn && tmo {
-			t.Fatalf("%v is both a connect failure and a timeout", err)
-		}
-		if (conn || tmo) && err == nil {
-			t.Fatal("a failure condition matched an answer")
-		}
-		// Retryable agrees with the conditions and never retries a
-		// delivered /send.
-		retry := DefaultRetry()
-		for _, route := range []string{RouteMetadata, RouteReceiveURL, RouteEncode, RouteSend} {
-			p := retry.Policy(route)
-			reason, ok := p.Retryable(o)
-			want := false
-			for _, c := range p.RetryOn {
-				want = want || c.Matches(o)
-			}
-			if ok != want {
-				t.Fatalf("%s: Retryable = %v, conditions say %v", route, ok, want)
-			}
-			if route == RouteSend && ok && !conn {
-				t.Fatalf("a /send that may have been delivered is retried: %+v", o)
-			}
-			if conn && reason != "connect_failure" || tmo && reason != "timeout" {
-				t.Fatalf("reason %q for %v", reason, err)
+			w := Judge(rt, pol, ignore, tgt, Observation{Status: status, Body: body, Err: fmt.Errorf("more: %w", err)})
+			if w.Kind != v.Kind || w.Breaker != v.Breaker || w.Retry != v.Retry || w.Delivery != v.Delivery {
+				t.Fatalf("wrapping %v changes its verdict from %+v to %+v", err, v, w)
 			}
 		}
 	})

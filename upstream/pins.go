@@ -10,18 +10,39 @@ import (
 	"github.com/encgate/encgate/internal/clock"
 )
 
+// PinState is where a req_id's /encode stands.
+type PinState uint8
+
+// Pin states.
+const (
+	// PinPending: the /encode was placed on the encoder and has not ended.
+	PinPending PinState = iota
+	// PinEncoded: the /encode was answered 200. Nothing later overwrites it
+	// but a newer placement (NewPending after the pin expired).
+	PinEncoded
+	// PinFailed: the /encode ended in a non-200; Status and Message are the
+	// answer its follow-ups get.
+	PinFailed
+)
+
 // Pin is what the gateway remembers about one req_id: the encoder its
-// /encode went to and, when that /encode ended in a non-200, the answer, so
-// follow-ups can get the same status and message at once.
+// /encode went to, how that /encode stands and, when it failed, the answer,
+// so follow-ups can get the same status and message at once.
 type Pin struct {
 	Encoder string // empty when the gateway failed the /encode before choosing one
 	// EncoderID identifies the encoder's name and URL at pin time: a reload
 	// that moves a name to another URL must not send its pins there.
 	EncoderID uint64
-	Failed    bool
-	Status    int
-	Message   string
+	State     PinState
+	// Answered: the failure is the encoder's own answer, so the encoder
+	// holds (or held) the part's state.
+	Answered bool
+	Status   int
+	Message  string
 }
+
+// Failed reports whether the req_id's /encode failed.
+func (p Pin) Failed() bool { return p.State == PinFailed }
 
 const pinShards = 64
 
@@ -69,24 +90,90 @@ func (t *PinTable) shard(reqID string) *pinShard {
 }
 
 // Set pins reqID to the encoder named encoder with identity id (see
-// Encoder.ID), replacing any earlier pin or failure.
+// Encoder.ID) as pending, replacing any earlier pin or failure.
 func (t *PinTable) Set(reqID, encoder string, id uint64) {
-	t.store(reqID, Pin{Encoder: encoder, EncoderID: id})
+	t.update(reqID, func(Pin, bool) (Pin, bool) { return Pin{Encoder: encoder, EncoderID: id}, true })
 }
 
-// Fail records that reqID's /encode ended with status and message. The
-// encoder it was pinned to, if any, is kept for the admin view.
-func (t *PinTable) Fail(reqID string, status int, message string) {
-	p, _ := t.Get(reqID)
-	p.Failed, p.Status, p.Message = true, status, message
-	t.store(reqID, p)
+// Place pins reqID to encoder as pending unless it already has a live pin
+// that is pending or encoded: then that pin is returned and placed is false
+// (the /encode is a sibling's, and follows it). A failed pin is replaced:
+// a new /encode of a failed part is tried afresh.
+func (t *PinTable) Place(reqID, encoder string, id uint64) (pin Pin, placed bool) {
+	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
+		if ok && !cur.Failed() {
+			pin = cur
+			return cur, false
+		}
+		pin, placed = Pin{Encoder: encoder, EncoderID: id}, true
+		return pin, true
+	})
+	return pin, placed
 }
 
-func (t *PinTable) store(reqID string, p Pin) {
+// Move re-pins a pending reqID from the encoder with identity from to
+// encoder, for an /encode retried on the next encoder because nothing
+// reached the first. It reports false, changing nothing, when the pin is no
+// longer pending on from (a sibling's /encode settled or moved it).
+func (t *PinTable) Move(reqID string, from uint64, encoder string, id uint64) bool {
+	moved := false
+	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
+		if !ok || cur.State != PinPending || cur.EncoderID != from {
+			return cur, false
+		}
+		moved = true
+		return Pin{Encoder: encoder, EncoderID: id}, true
+	})
+	return moved
+}
+
+// Encoded records that reqID's /encode on the encoder with identity id was
+// answered 200. A pin that names another encoder is left as it is.
+func (t *PinTable) Encoded(reqID string, id uint64) {
+	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
+		if !ok || cur.EncoderID != id || cur.Encoder == "" {
+			return cur, false
+		}
+		return Pin{Encoder: cur.Encoder, EncoderID: id, State: PinEncoded}, true
+	})
+}
+
+// Fail records that reqID's /encode ended with status and message;
+// answered says the encoder itself answered so. The encoder it was pinned
+// to, if any, is kept. A pin whose /encode was answered 200 is never
+// overwritten: the encoder still holds the part. Neither is an earlier
+// failure by a consequence of it (consequence: GEN0's "Encode failed on the
+// first request" to a sibling rank), which would only hide the cause.
+func (t *PinTable) Fail(reqID string, status int, message string, answered, consequence bool) {
+	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
+		if ok && (cur.State == PinEncoded || cur.Failed() && consequence) {
+			return cur, false
+		}
+		return Pin{Encoder: cur.Encoder, EncoderID: cur.EncoderID, State: PinFailed,
+			Answered: answered, Status: status, Message: message}, true
+	})
+}
+
+// update applies f to reqID's live pin (ok false when there is none) under
+// the shard's lock, storing what it returns when store is true.
+func (t *PinTable) update(reqID string, f func(cur Pin, ok bool) (next Pin, store bool)) {
 	now := t.clk.Now().UnixNano()
 	s := t.shard(reqID)
 	s.mu.Lock()
-	if _, exists := s.m[reqID]; !exists {
+	defer s.mu.Unlock()
+	e, exists := s.m[reqID]
+	live := exists && e.expires > now
+	if !live {
+		e.pin = Pin{}
+	}
+	if next, store := f(e.pin, live); store {
+		t.storeLocked(s, reqID, next, exists, now)
+	}
+}
+
+// storeLocked stores p for reqID and wakes its waiters; s.mu is held.
+func (t *PinTable) storeLocked(s *pinShard, reqID string, p Pin, exists bool, now int64) {
+	if !exists {
 		t.count.Add(1)
 		if len(s.m) >= t.perShard {
 			t.makeRoom(s, now)
@@ -97,7 +184,6 @@ func (t *PinTable) store(reqID string, p Pin) {
 		close(w.ch)
 		delete(s.waiting, reqID)
 	}
-	s.mu.Unlock()
 }
 
 // makeRoom drops one entry of a full shard: an expired one, or failing that

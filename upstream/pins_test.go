@@ -14,7 +14,7 @@ func TestPinTTL(t *testing.T) {
 	clk := clock.NewFake(t0)
 	p := NewPinTable(240*time.Second, 100, clk)
 	p.Set("r1", "enc-a", 1)
-	if pin, ok := p.Get("r1"); !ok || pin.Encoder != "enc-a" || pin.Failed {
+	if pin, ok := p.Get("r1"); !ok || pin.Encoder != "enc-a" || pin.Failed() {
 		t.Fatalf("Get = %+v %v", pin, ok)
 	}
 	clk.Advance(239 * time.Second)
@@ -33,13 +33,13 @@ func TestPinTTL(t *testing.T) {
 func TestPinFailKeepsEncoder(t *testing.T) {
 	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
 	p.Set("r", "enc-b", 1)
-	p.Fail("r", 400, "bad media")
+	p.Fail("r", 400, "bad media", true, false)
 	pin, ok := p.Get("r")
-	if !ok || !pin.Failed || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
+	if !ok || !pin.Failed() || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
 		t.Fatalf("Get = %+v", pin)
 	}
-	p.Fail("never-pinned", 503, "no usable encoder")
-	if pin, _ := p.Get("never-pinned"); !pin.Failed || pin.Encoder != "" {
+	p.Fail("never-pinned", 503, "no usable encoder", false, false)
+	if pin, _ := p.Get("never-pinned"); !pin.Failed() || pin.Encoder != "" {
 		t.Fatalf("failure without pin = %+v", pin)
 	}
 	if p.Len() != 2 {
@@ -129,7 +129,7 @@ func TestCountByEncoder(t *testing.T) {
 	p.Set("a", "x", 1)
 	p.Set("b", "x", 1)
 	p.Set("c", "y", 1)
-	p.Fail("d", 503, "none")
+	p.Fail("d", 503, "none", false, false)
 	got := p.CountByEncoder()
 	if got["x"] != 2 || got["y"] != 1 || len(got) != 2 {
 		t.Fatalf("CountByEncoder = %v", got)

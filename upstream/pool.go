@@ -1,12 +1,15 @@
-// Package upstream is the encoder pool: the encoders and their connections,
-// rendezvous selection, req_id affinity (pins), breakers and active health,
-// retry policy and budget, and the classification of upstream failures.
+// Package upstream is the encoder pool and the request path's exchange
+// with it: the encoders and their connections, rendezvous selection, req_id
+// affinity (pins), the attempt loop with its two strategies (ranked for
+// /encode, pinned for follow-ups), one Verdict per exchange (Judge), the
+// breakers it alone drives, active health, and retry policy and budget.
 package upstream
 
 import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"reflect"
@@ -18,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 
+	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"go.uber.org/zap"
 
@@ -30,11 +34,9 @@ type Encoder struct {
 	Name string
 	URL  string
 
-	hash   uint64 // of the name: the rendezvous identity
-	id     uint64 // of name and URL: the pin identity
-	host   string // Host header and address, host:port
-	scheme string // http or https
-	client *fasthttp.HostClient
+	hash   uint64               // of the name: the rendezvous identity
+	id     uint64               // of name and URL: the pin identity
+	self   hostClient           // the encoder's own connections
 	probes *fasthttp.HostClient // health checks only
 	agent  *hostClient          // the node's gpuagent for /send, nil when none
 
@@ -46,6 +48,10 @@ type Encoder struct {
 	inflight atomic.Int64
 	requests atomic.Uint64
 	forced   atomic.Int32 // tests and the demo: 0 normal, 1 forced usable, 2 forced unusable
+
+	gen       atomic.Uint32         // Generation, as the config last said (a reload changes it in place)
+	warnedGen atomic.Bool           // the GEN0-shaped /encode warning was logged
+	outcomes  [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
 
 	// maxInflight is the pool's limits.max_inflight_per_encoder (<= 0: no
 	// limit), shared by every encoder so that a reload changes it for all.
@@ -102,45 +108,77 @@ func (e *Encoder) State() string {
 	return "up"
 }
 
+// Generation returns the sglang generation e runs.
+func (e *Encoder) Generation() Generation { return generations[e.gen.Load()] }
+
+// Down reports whether e is out of service by active health (or forced
+// unusable): no exchange is tried with it, even for state it holds.
+func (e *Encoder) Down() bool {
+	switch e.forced.Load() {
+	case 1:
+		return false
+	case 2:
+		return true
+	}
+	return !e.Health.Up()
+}
+
 // hostClient is a client for one base URL.
 type hostClient struct {
-	host, scheme string
-	client       *fasthttp.HostClient
+	host, scheme, url string
+	client            *fasthttp.HostClient
 }
 
 // HasAgent reports whether e's /sends go to a gpuagent.
 func (e *Encoder) HasAgent() bool { return e.agent != nil }
 
-// DoSend is Do for /send: to the node's gpuagent when e has one.
-func (e *Encoder) DoSend(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
-	if e.agent == nil {
-		return e.Do(req, resp, timeout)
-	}
-	if err := e.acquire(); err != nil {
-		return err
-	}
-	defer e.inflight.Add(-1)
-	return e.refusedByPool(do(e.agent.client, e.agent.host, e.agent.scheme, req, resp, timeout))
+// target is where one attempt goes: e itself, or for /send its node's
+// agent, chosen when the attempt is picked.
+type target struct {
+	enc  *Encoder
+	hc   *hostClient
+	name Target
+	// place, for an /encode being placed, pins the req_id here. It runs
+	// once the breaker and the in-flight limit have admitted the attempt,
+	// just before the request is written, so that follow-ups waiting for
+	// the pin never go to an encoder the /encode then skips unsent. A
+	// placement whose breaker admits nothing is refused unsent (the /encode
+	// may go to the next encoder); other attempts carry state that cannot
+	// move and go uncounted.
+	// place reports false when another /encode pinned the req_id to a
+	// different encoder first: nothing is sent then.
+	place func() bool
 }
 
-// Do sends req to e and reads the answer into resp within timeout. The
-// caller sets method, path, headers and body; Do sets the host. A connect
+// targetFor is e's target for route rt.
+func (e *Encoder) targetFor(rt *sglang.Route, place func() bool) target {
+	hc := &e.self
+	if rt.Kind == sglang.KindSend && e.agent != nil {
+		hc = e.agent
+	}
+	return target{enc: e, hc: hc, place: place, name: Target{Encoder: e.Name, URL: hc.url, Agent: hc != &e.self}}
+}
+
+// do sends req within timeout and reads the answer into resp. A connect
 // failure is a *DialError; a timeout wraps fasthttp.ErrTimeout. A request
 // that meets a pooled connection the encoder had already closed is sent on
 // another connection: provably nothing of it was delivered. With
-// limits.max_inflight_per_encoder exchanges already in flight to e, Do sends
-// nothing and returns an *InflightLimitError.
-func (e *Encoder) Do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
-	if err := e.acquire(); err != nil {
+// limits.max_inflight_per_encoder exchanges already in flight to the
+// encoder (its agent's included), it sends nothing and returns an
+// *InflightLimitError.
+func (t target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
+	if err := t.enc.acquire(); err != nil {
 		return err
 	}
-	defer e.inflight.Add(-1)
-	return e.refusedByPool(do(e.client, e.host, e.scheme, req, resp, timeout))
+	defer t.enc.inflight.Add(-1)
+	if t.place != nil && !t.place() {
+		return errPlacedElsewhere
+	}
+	return t.enc.refusedByPool(do(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout))
 }
 
 // acquire counts one more exchange in flight to e, or refuses it when the
-// pool's in-flight limit is reached (the caller sends nothing then). Its
-// /sends to an agent count against the same limit: one entry, one budget.
+// pool's in-flight limit is reached (the caller sends nothing then).
 func (e *Encoder) acquire() error {
 	n := e.inflight.Add(1)
 	if e.maxInflight != nil {
@@ -169,7 +207,7 @@ func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp
 	req.URI().SetScheme(scheme)
 	resp.Header.SetNoDefaultContentType(true)
 	err := c.DoTimeout(req, resp, timeout)
-	if err == nil || !IsStale(err) {
+	if err == nil || !isStale(err) {
 		return err
 	}
 	// A stale connection is found before anything is written, right after
@@ -178,7 +216,7 @@ func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp
 	deadline := time.Now().Add(timeout)
 	for attempt := 1; ; attempt++ {
 		err = c.DoDeadline(req, resp, deadline)
-		if err == nil || !IsStale(err) || attempt == maxStaleRetries {
+		if err == nil || !isStale(err) || attempt == maxStaleRetries {
 			return err
 		}
 	}
@@ -195,23 +233,28 @@ type Settings struct {
 	Client   ClientConfig
 	Breaker  BreakerConfig
 	Health   HealthConfig
+	Retry    RetryConfig
 	// MaxInflight bounds exchanges in flight to one encoder (the gateway's
 	// limits.max_inflight_per_encoder); <= 0 means no bound. A reload
 	// changes it for every encoder at once, rebuilding nothing.
 	MaxInflight int
 }
 
-// fleet is an immutable snapshot of the encoders, swapped on reload.
+// fleet is an immutable snapshot of the encoders and the settings the
+// request path reads, swapped on reload.
 type fleet struct {
-	list   []*Encoder
-	byName map[string]*Encoder
-	set    Settings
+	list    []*Encoder
+	byName  map[string]*Encoder
+	set     Settings
+	budgets map[string]*Budget // per retry route label
 }
 
-// Pool holds the fleet and the pin table. It is safe for concurrent use.
+// Pool holds the fleet and the pin table, and runs calls' exchanges with
+// them (Exchange). It is safe for concurrent use.
 type Pool struct {
 	log  *zap.Logger
 	clk  clock.Clock
+	rand func() float64
 	aff  AffinityConfig
 	Pins *PinTable
 	m    *poolMetrics
@@ -224,19 +267,35 @@ type Pool struct {
 	done   chan struct{}
 }
 
+// Deps are what a Pool takes from its caller.
+type Deps struct {
+	Log      *zap.Logger
+	Registry prometheus.Registerer
+	Clock    clock.Clock    // nil means the wall clock
+	Rand     func() float64 // uniform in [0,1) for backoff jitter; nil means math/rand/v2
+}
+
 // NewPool builds the pool, starts its pin sweeper and every encoder's
 // health loop; Close stops them.
-func NewPool(set Settings, aff AffinityConfig, clk clock.Clock, log *zap.Logger, reg prometheus.Registerer) (*Pool, error) {
+func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
+	clk := deps.Clock
+	if clk == nil {
+		clk = clock.Real{}
+	}
 	p := &Pool{
-		log:  log,
+		log:  deps.Log,
 		clk:  clk,
+		rand: deps.Rand,
 		aff:  aff,
 		Pins: NewPinTable(aff.PinTTL.D(), aff.MaxPins, clk),
-		m:    newPoolMetrics(reg),
+		m:    newPoolMetrics(deps.Registry),
 		done: make(chan struct{}),
 	}
+	if p.rand == nil {
+		p.rand = rand.Float64
+	}
 	p.maxInflight.Store(int64(set.MaxInflight))
-	f := &fleet{byName: map[string]*Encoder{}, set: set}
+	f := &fleet{byName: map[string]*Encoder{}, set: set, budgets: p.newBudgets(set.Retry.Budget)}
 	for _, ec := range set.Encoders {
 		e, err := p.newEncoder(ec, set)
 		if err != nil {
@@ -253,15 +312,25 @@ func NewPool(set Settings, aff AffinityConfig, clk clock.Clock, log *zap.Logger,
 	return p, nil
 }
 
+func (p *Pool) newBudgets(cfg BudgetConfig) map[string]*Budget {
+	b := map[string]*Budget{}
+	for _, r := range sglang.RetryLabels {
+		b[r] = NewBudget(cfg, p.clk)
+	}
+	return b
+}
+
 func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	u, err := url.Parse(ec.URL)
 	if err != nil {
 		return nil, err
 	}
 	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), id: encoderID(ec),
-		host: u.Host, scheme: u.Scheme, maxInflight: &p.maxInflight}
+		maxInflight: &p.maxInflight}
+	e.gen.Store(ec.Generation.index())
 	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
-	e.client = newClient(ec.Name, u, set.Client)
+	e.outcomes = p.m.outcomeCounters(ec.Name)
+	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
 	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.breakerChanged)
 	// Probes get their own small pool: an encoder whose traffic connections
 	// are all busy must not fail its health check for want of one.
@@ -273,7 +342,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 		if err != nil {
 			return nil, err
 		}
-		e.agent = &hostClient{host: au.Host, scheme: au.Scheme, client: newClient(ec.Name+" agent", au, set.Client)}
+		e.agent = &hostClient{host: au.Host, scheme: au.Scheme, url: ec.Agent, client: newClient(ec.Name+" agent", au, set.Client)}
 	}
 	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
 	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
@@ -349,7 +418,11 @@ func (p *Pool) probeResult(e *Encoder, err error) {
 		return
 	}
 	if done, ok := e.Breaker.Allow(); ok {
-		done(Outcome{Status: 200, Err: err})
+		if err != nil {
+			done(MarkFault)
+		} else {
+			done(MarkSuccess)
+		}
 	}
 }
 
@@ -374,6 +447,9 @@ func (p *Pool) Ranked(reqID string, dst []*Encoder) []*Encoder {
 	return rank(reqID, usable, dst)
 }
 
+// ErrNoEncoder means no configured encoder is usable (Owner).
+var ErrNoEncoder = errors.New("upstream: no usable encoder")
+
 // Owner returns the first usable encoder in rendezvous order for reqID.
 func (p *Pool) Owner(reqID string) (*Encoder, error) {
 	var buf [16]*Encoder
@@ -394,28 +470,11 @@ func (p *Pool) AnyUsable() bool {
 	return false
 }
 
-// Route returns the encoder that holds reqID: its pin, waiting up to
-// affinity.unknown_wait for one, else the rendezvous owner. A pin that
-// records a failed /encode is returned with a nil encoder and pin.Failed.
-// A pinned encoder that is down or open is an *UnusableEncoderError: its
-// staged state cannot move, so the caller fails fast.
-func (p *Pool) Route(reqID string, done <-chan struct{}) (*Encoder, Pin, error) {
-	pin, ok := p.Pins.Wait(reqID, p.aff.UnknownWait.D(), done)
-	if !ok {
-		e, err := p.Owner(reqID)
-		return e, Pin{}, err
-	}
-	if pin.Failed {
-		return nil, pin, nil
-	}
-	e, found := p.Lookup(pin.Encoder)
-	if !found || e.id != pin.EncoderID {
-		return nil, pin, &UnknownEncoderError{Name: pin.Encoder}
-	}
-	if !e.Usable() {
-		return e, pin, &UnusableEncoderError{Name: e.Name, State: e.State()}
-	}
-	return e, pin, nil
+// lookupPinned returns the encoder a pin names, if it is still configured
+// with the same name and URL.
+func (p *Pool) lookupPinned(pin Pin) (*Encoder, bool) {
+	e, ok := p.Lookup(pin.Encoder)
+	return e, ok && e.id == pin.EncoderID
 }
 
 // Reload applies new settings: encoders that keep their name and URL keep
@@ -429,10 +488,14 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	defer p.reloadMu.Unlock()
 	old := p.fleet.Load()
 	rebuild := !sameBreakerHealth(old.set, set) || old.set.Client != set.Client
-	next := &fleet{byName: map[string]*Encoder{}, set: set}
+	next := &fleet{byName: map[string]*Encoder{}, set: set, budgets: old.budgets}
+	if set.Retry.Budget != old.set.Retry.Budget {
+		next.budgets = p.newBudgets(set.Retry.Budget)
+	}
 	var fresh []*Encoder
 	for _, ec := range set.Encoders {
 		if e, ok := old.byName[ec.Name]; ok && e.id == encoderID(ec) && !rebuild {
+			e.gen.Store(ec.Generation.index())
 			next.list = append(next.list, e)
 			next.byName[e.Name] = e
 			continue
@@ -485,7 +548,7 @@ func (p *Pool) stopAll(encs []*Encoder) {
 		e.stop()
 		<-e.stopped
 		e.Breaker.Stop()
-		e.client.CloseIdleConnections()
+		e.self.client.CloseIdleConnections()
 		e.probes.CloseIdleConnections()
 		if e.agent != nil {
 			e.agent.client.CloseIdleConnections()
@@ -518,11 +581,4 @@ func (p *Pool) Close() {
 	p.cancel()
 	<-p.done
 	p.stopAll(p.Encoders())
-}
-
-// IsTimeout reports whether err is an upstream timeout.
-func IsTimeout(err error) bool {
-	var ne net.Error
-	return errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) ||
-		(errors.As(err, &ne) && ne.Timeout())
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -125,21 +126,10 @@ type RetryConfig struct {
 
 // Route labels, as Policy takes them and metrics carry them.
 const (
-	RouteMetadata   = "metadata"
-	RouteReceiveURL = "receive_url"
-	RouteEncode     = "encode"
-	RouteSend       = "send"
-)
-
-// Messages of the encoder's answers that the defaults retry.
-const (
-	// MetadataNotReady is sglang's 504 when a receiver rank pulls a part's
-	// metadata before the encoder has it: transient, retried on the same
-	// encoder.
-	MetadataNotReady = "encode metadata not ready"
-	// DPWorkersDead is sglang's 503 when an encoder has no live DP worker:
-	// the /encode was not taken, so it may go to the next encoder.
-	DPWorkersDead = "All encoder DP workers are dead."
+	RouteMetadata   = sglang.LabelMetadata
+	RouteReceiveURL = sglang.LabelReceiveURL
+	RouteEncode     = sglang.LabelEncode
+	RouteSend       = sglang.LabelSend
 )
 
 func retryDur(d time.Duration) configfile.Duration { return configfile.Duration(d) }
@@ -161,7 +151,7 @@ func DefaultRetry() RetryConfig {
 			PerTryTimeout: retryDur(30 * time.Second),
 			Deadline:      retryDur(180 * time.Second),
 			RetryOn: []Condition{
-				{Kind: OnStatus, Status: 504, BodyContains: MetadataNotReady},
+				{Kind: OnStatus, Status: 504, BodyContains: sglang.MetadataNotReady},
 				{Kind: OnConnectFailure},
 				{Kind: OnTimeout},
 			},
@@ -194,7 +184,7 @@ func DefaultRetry() RetryConfig {
 			Deadline:       retryDur(1800 * time.Second),
 			RetryOn: []Condition{
 				{Kind: OnConnectFailure},
-				{Kind: OnStatus, Status: 503, BodyContains: DPWorkersDead},
+				{Kind: OnStatus, Status: 503, BodyContains: sglang.DPWorkersDead},
 			},
 		},
 		Send: RetryPolicy{
@@ -278,8 +268,8 @@ func refuse(route string, c Condition) string {
 		}
 		return ""
 	case RouteEncode:
-		if c.Kind != OnConnectFailure && c != (Condition{Kind: OnStatus, Status: 503, BodyContains: DPWorkersDead}) {
-			return "/encode may only be retried on connect_failure or {status: 503, body_contains: \"" + DPWorkersDead +
+		if c.Kind != OnConnectFailure && c != (Condition{Kind: OnStatus, Status: 503, BodyContains: sglang.DPWorkersDead}) {
+			return "/encode may only be retried on connect_failure or {status: 503, body_contains: \"" + sglang.DPWorkersDead +
 				"\"}: once an /encode was delivered, the encoder may have staged or pushed the embedding, and 4xx are final"
 		}
 		return ""
@@ -294,43 +284,6 @@ func refuse(route string, c Condition) string {
 		return "only 5xx answers may be retried: a " + itoa(c.Status) + " is a final answer"
 	}
 	return ""
-}
-
-// statusReasons holds "status_<code>" for every HTTP status, so Retryable
-// does not allocate.
-var statusReasons = func() (r [600]string) {
-	for i := 100; i < len(r); i++ {
-		r[i] = "status_" + itoa(i)
-	}
-	return r
-}()
-
-// Retryable reports whether outcome o may be retried under p, and a bounded
-// reason for metrics: "connect_failure", "timeout" or "status_<code>". The
-// reason classifies o even when ok is false; it is "" for an error that is
-// neither a connect failure nor a timeout (such an error is never retried).
-func (p *RetryPolicy) Retryable(o Outcome) (reason string, ok bool) {
-	switch {
-	case o.Err != nil && NotDelivered(o.Err):
-		reason = "connect_failure"
-	case o.Err != nil && IsTimeout(o.Err):
-		reason = "timeout"
-	case o.Err != nil:
-		reason = ""
-	case o.Status >= 100 && o.Status < len(statusReasons):
-		reason = statusReasons[o.Status]
-	default:
-		reason = "status_other"
-	}
-	if p == nil {
-		return reason, false
-	}
-	for _, c := range p.RetryOn {
-		if c.Matches(o) {
-			return reason, true
-		}
-	}
-	return reason, false
 }
 
 // Backoff returns the wait before retry number n (n = 1 is the wait after

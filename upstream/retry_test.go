@@ -1,9 +1,6 @@
 package upstream
 
 import (
-	"errors"
-	"fmt"
-	"io"
 	"math"
 	"reflect"
 	"strings"
@@ -11,7 +8,6 @@ import (
 	"time"
 
 	"github.com/encgate/encgate/internal/configfile"
-	"github.com/valyala/fasthttp"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -195,55 +191,6 @@ type retryTimeoutErr struct{}
 func (retryTimeoutErr) Error() string   { return "i/o timeout" }
 func (retryTimeoutErr) Timeout() bool   { return true }
 func (retryTimeoutErr) Temporary() bool { return true }
-
-func TestRetryable(t *testing.T) {
-	c := DefaultRetry()
-	dial := &DialError{Encoder: "e0", Err: errors.New("connection refused")}
-	tests := []struct {
-		route  string
-		o      Outcome
-		reason string
-		ok     bool
-	}{
-		{"metadata", Outcome{Status: 504, Body: []byte(`{"error":"encode metadata not ready"}`)}, "status_504", true},
-		{"metadata", Outcome{Status: 504, Body: []byte(`{"error":"gateway timeout"}`)}, "status_504", false},
-		{"metadata", Outcome{Status: 500, Body: []byte(`encode metadata not ready`)}, "status_500", false},
-		{"metadata", Outcome{Err: dial}, "connect_failure", true},
-		{"metadata", Outcome{Err: fmt.Errorf("wrapped: %w", fasthttp.ErrTimeout)}, "timeout", true},
-		{"metadata", Outcome{Err: retryTimeoutErr{}}, "timeout", true},
-		{"metadata", Outcome{Err: io.ErrUnexpectedEOF}, "", false},
-		{"metadata", Outcome{Status: 200}, "status_200", false},
-		{"receive_url", Outcome{Status: 503}, "status_503", true},
-		{"receive_url", Outcome{Status: 504, Body: []byte("anything")}, "status_504", true},
-		{"receive_url", Outcome{Err: retryTimeoutErr{}}, "timeout", false},
-		{"receive_url", Outcome{Err: &StaleConnError{Err: io.EOF}}, "connect_failure", true},
-		{"encode", Outcome{Status: 503, Body: []byte(`{"message":"All encoder DP workers are dead."}`)}, "status_503", true},
-		{"encode", Outcome{Status: 503, Body: []byte(`busy`)}, "status_503", false},
-		{"encode", Outcome{Err: fasthttp.ErrNoFreeConns}, "connect_failure", true},
-		{"encode", Outcome{Err: fasthttp.ErrTimeout}, "timeout", false},
-		{"send", Outcome{Err: dial}, "connect_failure", true},
-		{"send", Outcome{Err: fasthttp.ErrTimeout}, "timeout", false},
-		{"send", Outcome{Status: 503}, "status_503", false},
-		{"send", Outcome{Status: 999}, "status_other", false},
-	}
-	for _, tc := range tests {
-		reason, ok := c.Policy(tc.route).Retryable(tc.o)
-		if reason != tc.reason || ok != tc.ok {
-			t.Errorf("%s: Retryable(%+v) = %q, %v; want %q, %v", tc.route, tc.o, reason, ok, tc.reason, tc.ok)
-		}
-	}
-	if c.Policy("health") != nil {
-		t.Error("Policy(health) is not nil")
-	}
-	if _, ok := (*RetryPolicy)(nil).Retryable(Outcome{Err: dial}); ok {
-		t.Error("nil policy retries")
-	}
-	// Policy points into the config.
-	c.Policy("send").MaxAttempts = 1
-	if c.Send.MaxAttempts != 1 {
-		t.Error("Policy returned a copy")
-	}
-}
 
 func TestValidate(t *testing.T) {
 	var p configfile.Problems

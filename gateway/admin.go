@@ -1,0 +1,169 @@
+package gateway
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/json"
+	"net/http"
+	"net/http/pprof"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/encgate/encgate/idempotency"
+	"github.com/encgate/encgate/internal/sglang"
+	"github.com/encgate/encgate/upstream"
+)
+
+// adminMux serves the admin listener. With admin.token set, /admin/... and
+// /debug/pprof/... (heap, goroutine stacks and the command line are in
+// there) need the bearer token; /healthz and /readyz stay open for probes,
+// and /metrics for scrapers (its labels are bounded: route, code, encoder
+// name; never a req_id or a URL).
+func (s *Server) adminMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	protected := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, s.requireToken(h)) }
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{Registry: s.reg}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !s.ready.Load() {
+			http.Error(w, "not ready", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	protected("GET /admin/upstreams", s.serveUpstreams)
+	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
+	// Go's profiler, on the admin listener only (never the encoder-facing one).
+	protected("GET /debug/pprof/", pprof.Index)
+	protected("GET /debug/pprof/cmdline", pprof.Cmdline)
+	protected("GET /debug/pprof/profile", pprof.Profile)
+	protected("GET /debug/pprof/symbol", pprof.Symbol)
+	protected("GET /debug/pprof/trace", pprof.Trace)
+	return mux
+}
+
+// bearerRealm is the challenge of a 401 on the admin listener.
+const bearerRealm = `Bearer realm="encgate admin"`
+
+// requireToken lets a request through to h when admin.token is unset or the
+// request carries "Authorization: Bearer <token>" (the scheme in any case,
+// RFC 7235); otherwise it answers 401 with a Bearer challenge (RFC 6750).
+// The live config is read per request, so a reload changes the token at
+// once. Tokens are compared in constant time, as SHA-256 digests so that
+// not even the length leaks.
+func (s *Server) requireToken(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		want := s.conf().Admin.Token
+		if want == "" {
+			h.ServeHTTP(w, r)
+			return
+		}
+		got, ok := bearerToken(r.Header.Get("Authorization"))
+		switch {
+		case !ok:
+			s.metrics.adminUnauthorized.Inc()
+			w.Header().Set("WWW-Authenticate", bearerRealm)
+			writeAdminError(w, http.StatusUnauthorized, `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
+		case !tokensEqual(got, want):
+			s.metrics.adminUnauthorized.Inc()
+			w.Header().Set("WWW-Authenticate", bearerRealm+`, error="invalid_token"`)
+			writeAdminError(w, http.StatusUnauthorized, "encgate: the bearer token is not admin.token")
+		default:
+			h.ServeHTTP(w, r)
+		}
+	})
+}
+
+// bearerToken returns the token of an "Authorization: Bearer <token>" value.
+func bearerToken(header string) (string, bool) {
+	scheme, token, ok := strings.Cut(header, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	token = strings.TrimLeft(token, " ")
+	return token, token != ""
+}
+
+func tokensEqual(got, want string) bool {
+	g, w := sha256.Sum256([]byte(got)), sha256.Sum256([]byte(want))
+	return subtle.ConstantTimeCompare(g[:], w[:]) == 1
+}
+
+// writeAdminError answers an admin request with the gateway's envelope.
+func writeAdminError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(sglang.AppendEnvelope(nil, msg, nil))
+}
+
+// serveSendRecord shows one req_id's /send destinations: done (with the
+// stored status) or in flight, the receive count and whether it is released.
+func (s *Server) serveSendRecord(w http.ResponseWriter, r *http.Request) {
+	reqID := r.PathValue("req_id")
+	view, err := s.sends.Store().Inspect(r.Context(), reqID)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	known := map[string]bool{}
+	for _, d := range view.Destinations {
+		known[d.Dest] = true
+	}
+	for _, dest := range s.sends.Inflight(reqID) {
+		if !known[dest] {
+			view.Destinations = append(view.Destinations, idempotency.DestView{Dest: dest, State: "in_flight"})
+		}
+	}
+	if view.Destinations == nil {
+		view.Destinations = []idempotency.DestView{}
+	}
+	writeJSON(w, view)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+// UpstreamState is one row of GET /admin/upstreams.
+type UpstreamState struct {
+	Name     string                  `json:"name"`
+	URL      string                  `json:"url"`
+	Usable   bool                    `json:"usable"`
+	State    string                  `json:"state"`
+	Inflight int64                   `json:"inflight"`
+	Requests uint64                  `json:"requests"`
+	Pins     int                     `json:"pins"`
+	Breaker  BreakerView             `json:"breaker"`
+	Health   upstream.HealthSnapshot `json:"health"`
+}
+
+// BreakerView is the passive (breaker) state of an encoder.
+type BreakerView struct {
+	State                string `json:"state"`
+	Requests             uint32 `json:"requests"`
+	TotalFailures        uint32 `json:"total_failures"`
+	ConsecutiveFailures  uint32 `json:"consecutive_failures"`
+	ConsecutiveSuccesses uint32 `json:"consecutive_successes"`
+}
+
+func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
+	pins := s.pool.Pins.CountByEncoder()
+	var out []UpstreamState
+	for _, e := range s.pool.Encoders() {
+		bc := e.Breaker.Counts()
+		out = append(out, UpstreamState{
+			Name: e.Name, URL: e.URL, Usable: e.Usable(), State: e.State(),
+			Inflight: e.Inflight(), Requests: e.Requests(), Pins: pins[e.Name],
+			Breaker: BreakerView{State: e.Breaker.State().String(), Requests: bc.Requests, TotalFailures: bc.TotalFailures,
+				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},
+			Health: e.Health.Snapshot(),
+		})
+	}
+	writeJSON(w, out)
+}

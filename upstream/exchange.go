@@ -1,0 +1,442 @@
+package upstream
+
+import (
+	"bytes"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/jsonfield"
+	"github.com/encgate/encgate/internal/sglang"
+)
+
+// Call is one caller request on its way to an encoder.
+type Call struct {
+	Route *sglang.Route
+	ReqID string
+	// Rank marks a GEN0 receiver rank's own /encode (sglang.Request.Rank).
+	Rank bool
+	// Method, ContentType and Body are sent as they are; Body is shared,
+	// not copied.
+	Method      []byte
+	ContentType []byte
+	Body        []byte
+	// Limit, when positive, caps the route's retry deadline (a /send gets
+	// what is left of its claim).
+	Limit time.Duration
+	// Done ends waits early: the caller's server is shutting down.
+	Done <-chan struct{}
+	// Resp receives each attempt's answer; after Exchange it holds the
+	// last one when the verdict is KindAnswered. The caller owns it.
+	Resp *fasthttp.Response
+}
+
+// Result is how a call ended.
+type Result struct {
+	// Verdict is the last attempt's, or the routing decision's when the
+	// call ended without an exchange.
+	Verdict Verdict
+	// Attempts counts the exchanges tried, refused ones included.
+	Attempts int
+	// Delivered says some attempt may have reached an encoder.
+	Delivered bool
+
+	enc *Encoder // the last attempt's encoder
+}
+
+// Exchange runs c: route → attempts under the route's policy, budget and
+// deadline, each judged once (Judge) → breaker, metrics and retry read
+// that verdict. An /encode is placed by the ranked strategy (rendezvous
+// order, re-pinned on each retry) unless its req_id is already pinned, in
+// which case it follows the pin as every follow-up does (the pinned
+// strategy). Its outcome is then recorded on the pin.
+func (p *Pool) Exchange(c *Call) Result {
+	f := p.fleet.Load()
+	pol := f.set.Retry.Policy(c.Route.Label)
+	var st strategy
+	if c.Route.Kind == sglang.KindEncode {
+		st = &ranked{p: p, c: c}
+	} else {
+		st = &pinned{p: p, c: c}
+	}
+	res := p.attempts(c, f, pol, st)
+	if c.Route.Kind == sglang.KindEncode {
+		p.recordEncode(c, res)
+	}
+	return res
+}
+
+// A strategy picks the target of each attempt of one call.
+type strategy interface {
+	// pick returns the target of attempt n (from 1); sent says an earlier
+	// attempt may have reached an encoder. A non-nil end finishes the call
+	// with that verdict instead (routing answered: no usable encoder, a
+	// remembered failure); ok false finishes it with the last attempt's
+	// verdict (no encoder is left to try).
+	pick(n int, sent bool) (t target, end *Verdict, ok bool)
+	// more reports, without side effects, whether attempt n may have a
+	// target, so that no backoff is waited for nothing.
+	more(n int) bool
+}
+
+func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result {
+	now := p.clk.Now()
+	deadline := now.Add(pol.Deadline.D())
+	if c.Limit > 0 && now.Add(c.Limit).Before(deadline) {
+		deadline = now.Add(c.Limit)
+	}
+	budget := f.budgets[c.Route.Label]
+	budget.Request()
+	var res Result
+	for n := 1; ; n++ {
+		t, end, ok := st.pick(n, res.Delivered)
+		if end != nil {
+			res.Verdict = *end
+			return res
+		}
+		if !ok {
+			return res
+		}
+		res.Verdict = p.attempt(c, t, f, pol, deadline)
+		res.Attempts, res.enc = n, t.enc
+		res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
+		if !res.Verdict.Retry || n >= pol.MaxAttempts || !st.more(n+1) {
+			return res
+		}
+		wait := pol.Backoff(n, p.rand(), p.retryAfter(c, &res.Verdict))
+		if p.clk.Now().Add(wait).After(deadline) {
+			return res
+		}
+		if !budget.Retry() {
+			p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
+			return res
+		}
+		p.m.retries.WithLabelValues(c.Route.Label, res.Verdict.Reason).Inc()
+		p.m.backoff.Observe(wait.Seconds())
+		if !p.sleep(c.Done, wait) {
+			return res
+		}
+	}
+}
+
+// attempt is one exchange of c with t, judged once; the breaker is told
+// the verdict's Mark when it admitted the exchange.
+func (p *Pool) attempt(c *Call, t target, f *fleet, pol *RetryPolicy, deadline time.Time) Verdict {
+	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(p.clk.Now()))
+	if timeout <= 0 {
+		return noTimeVerdict(c.Route, t.name)
+	}
+	done, admitted := t.enc.Breaker.Allow()
+	var v Verdict
+	if !admitted && t.place != nil {
+		v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name,
+			Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}})
+	} else {
+		c.Resp.Reset()
+		req := fasthttp.AcquireRequest()
+		req.Header.SetMethodBytes(c.Method)
+		req.SetRequestURI(c.Route.Path)
+		if len(c.ContentType) > 0 {
+			req.Header.SetContentTypeBytes(c.ContentType)
+		}
+		req.SetBodyRaw(c.Body)
+		err := t.do(req, c.Resp, timeout)
+		fasthttp.ReleaseRequest(req)
+		o := Observation{Err: err}
+		if err == nil {
+			o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
+		}
+		v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
+	}
+	if admitted {
+		done(v.Breaker)
+	} else if v.Breaker != MarkNone {
+		v.Breaker = MarkNone // sent uncounted: the state cannot move elsewhere
+	}
+	p.m.exchanged(t, c.Route, &v)
+	return v
+}
+
+// retryAfter is the encoder's Retry-After on the last answer, if any.
+func (p *Pool) retryAfter(c *Call, v *Verdict) time.Duration {
+	if v.Kind != KindAnswered {
+		return 0
+	}
+	h := c.Resp.Header.Peek(fasthttp.HeaderRetryAfter)
+	if len(h) == 0 {
+		return 0
+	}
+	d, _ := ParseRetryAfter(h, p.clk.Now())
+	return d
+}
+
+// sleep waits d on the injected clock; false when done closes first.
+func (p *Pool) sleep(done <-chan struct{}, d time.Duration) bool {
+	t := p.clk.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C():
+		return true
+	case <-done:
+		return false
+	}
+}
+
+// recordEncode remembers how an /encode ended on its req_id's pin: a 200
+// marks the pin encoded; anything else marks it failed, so that its
+// follow-ups get the same status and message at once (Pins.Fail keeps a
+// pin already encoded).
+func (p *Pool) recordEncode(c *Call, res Result) {
+	v := res.Verdict
+	if v.Kind == KindAnswered && v.Status == fasthttp.StatusOK {
+		p.Pins.Encoded(c.ReqID, res.enc.id)
+		if c.Rank && res.enc.Generation() != Gen0 && res.enc.warnedGen.CompareAndSwap(false, true) {
+			p.log.Warn("an /encode carried receive_count, as sglang GEN0's receiver ranks send it, but this encoder's "+
+				"generation is new: set encoders[].generation: gen0 so that registrations after a failed encode reach it",
+				zap.String("encoder", res.enc.Name))
+		}
+		return
+	}
+	msg, answered := v.Message, v.Kind == KindAnswered
+	if answered {
+		msg = AnswerMessage(c.Resp.Body())
+	}
+	p.Pins.Fail(c.ReqID, v.Status, msg, answered, v.Cause == CauseOtherRequest)
+}
+
+var messageKey = []string{"message"}
+
+// AnswerMessage extracts the message of an encoder's error answer as
+// sglang's receivers do: the envelope's "message", else the raw text.
+func AnswerMessage(body []byte) string {
+	var raw [1][]byte
+	if jsonfield.Lookup(body, messageKey, raw[:]) == nil {
+		if m, ok := jsonfield.String(raw[0]); ok {
+			return m
+		}
+	}
+	return string(bytes.TrimSpace(body))
+}
+
+// ranked places an /encode: the usable encoders in rendezvous order, one
+// per attempt, the req_id pinned to each as its attempt is admitted (see
+// target.place). A req_id already pinned (a GEN0 sibling rank's /encode, a
+// retry of a placed one) follows its pin.
+type ranked struct {
+	p      *Pool
+	c      *Call
+	list   []*Encoder
+	buf    [16]*Encoder
+	placed *Encoder // where the pin is, once an attempt was admitted
+	lost   bool     // a sibling placed or settled the pin meanwhile
+	follow *pinned
+}
+
+func (s *ranked) pick(n int, sent bool) (target, *Verdict, bool) {
+	if s.follow != nil || s.lost {
+		return s.followPin(n, sent)
+	}
+	if n == 1 {
+		if pin, ok := s.p.Pins.Get(s.c.ReqID); ok && !pin.Failed() {
+			return s.followPin(n, sent)
+		}
+		s.list = s.p.Ranked(s.c.ReqID, s.buf[:0])
+		if len(s.list) == 0 {
+			v := noEncoderVerdict()
+			return target{}, &v, false
+		}
+	}
+	if n > len(s.list) {
+		return target{}, nil, false
+	}
+	e := s.list[n-1]
+	return e.targetFor(s.c.Route, func() bool { return s.place(e) }), nil, true
+}
+
+// place pins the req_id to e as its attempt goes out: a first placement,
+// or a move from the encoder an earlier attempt reached with nothing. When
+// a concurrent /encode of the same req_id (a GEN0 sibling rank's) pinned it
+// first, this call follows that pin from its next attempt on; it still
+// goes now if that pin is on e.
+func (s *ranked) place(e *Encoder) bool {
+	id := s.c.ReqID
+	var ok bool
+	var pin Pin
+	if s.placed == nil {
+		pin, ok = s.p.Pins.Place(id, e.Name, e.id)
+	} else {
+		ok = s.placed == e || s.p.Pins.Move(id, s.placed.id, e.Name, e.id)
+		if !ok {
+			pin, _ = s.p.Pins.Get(id)
+		}
+	}
+	if ok {
+		s.placed = e
+		return true
+	}
+	s.lost = true
+	return pin.EncoderID == e.id
+}
+
+func (s *ranked) followPin(n int, sent bool) (target, *Verdict, bool) {
+	if s.follow == nil {
+		s.follow = &pinned{p: s.p, c: s.c}
+		n, sent = 1, false // its first pick reads the pin
+	}
+	return s.follow.pick(n, sent)
+}
+
+func (s *ranked) more(n int) bool {
+	if s.follow != nil || s.lost {
+		return true
+	}
+	return n <= len(s.list)
+}
+
+// pinned sends a call to the encoder that holds its req_id: the pin's
+// (waiting up to affinity.unknown_wait for one to appear, as follow-ups
+// may come before their /encode), else the rendezvous owner. Every attempt
+// goes to the same encoder, unless the part's /encode fails meanwhile:
+// then the failure is the answer (see decide).
+type pinned struct {
+	p     *Pool
+	c     *Call
+	t     target
+	found bool // attempt 1 followed a pin
+}
+
+func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
+	if n > 1 && s.t.enc != nil {
+		pin, ok := s.p.Pins.Get(s.c.ReqID)
+		switch {
+		case !ok:
+		case pin.Failed() && (!s.found || !s.forwardFailed(pin)):
+			return s.decide(pin, true)
+		case s.found && !sent && pin.EncoderID != s.t.enc.id:
+			// The /encode moved on (nothing reached the encoder it was
+			// pinned to) and so did nothing of this call: follow it.
+			return s.decide(pin, true)
+		}
+		return s.t, nil, true
+	}
+	var pin Pin
+	var ok bool
+	if s.c.Route.Kind == sglang.KindEncode {
+		pin, ok = s.p.Pins.Get(s.c.ReqID)
+	} else {
+		pin, ok = s.p.Pins.Wait(s.c.ReqID, s.p.aff.UnknownWait.D(), s.c.Done)
+	}
+	return s.decide(pin, ok)
+}
+
+func (s *pinned) more(int) bool { return true }
+
+// decide turns what the pin table says into the target, or the answer.
+//
+//   - No pin: the rendezvous owner, as the part's /encode would choose it.
+//   - A failed /encode: its status and message at once, except for a
+//     registration whose failure an encoder of generation gen0 answered:
+//     that encoder reports a failed zmq encode only through its error frame
+//     to URLs registered with it, so the registration is forwarded (it is
+//     idempotent) and the rank hears the encoder's own failure.
+//   - The encoder is no longer configured, or down by active health: a
+//     fast 503 naming it; its staged state cannot move.
+//   - Its breaker is open: a follow-up gets the same fast 503. A sibling's
+//     /encode still goes, uncounted: it is not new work but the part
+//     already placed there, and the encoder answers it from that encode.
+func (s *pinned) decide(pin Pin, ok bool) (target, *Verdict, bool) {
+	if !ok {
+		e, err := s.p.Owner(s.c.ReqID)
+		if err != nil {
+			v := noEncoderVerdict()
+			return target{}, &v, false
+		}
+		s.t = e.targetFor(s.c.Route, nil)
+		return s.t, nil, true
+	}
+	s.found = true
+	e, known := s.p.lookupPinned(pin)
+	switch {
+	case pin.Failed() && !(known && s.forwardFailed(pin)):
+		v := rememberedVerdict(pin)
+		return target{}, &v, false
+	case !known:
+		v := goneVerdict(pin.Encoder)
+		return target{}, &v, false
+	case e.Down(), !e.Usable() && !s.throughOpenBreaker(pin):
+		v := unusableVerdict(e)
+		return target{}, &v, false
+	}
+	s.t = e.targetFor(s.c.Route, nil)
+	return s.t, nil, true
+}
+
+// forwardFailed: a registration for a part whose gen0 encoder answered the
+// failure goes to that encoder (see decide).
+func (s *pinned) forwardFailed(pin Pin) bool {
+	if s.c.Route != sglang.RouteReceiveURL || !pin.Answered {
+		return false
+	}
+	e, ok := s.p.lookupPinned(pin)
+	return ok && e.Generation() == Gen0
+}
+
+// throughOpenBreaker: state already on the encoder that only it can answer
+// for (a sibling /encode; a gen0 registration after a failure) goes even
+// while its breaker is open.
+func (s *pinned) throughOpenBreaker(pin Pin) bool {
+	return s.c.Route.Kind == sglang.KindEncode || pin.Failed()
+}
+
+// BroadcastAnswer is one encoder's part of a broadcast.
+type BroadcastAnswer struct {
+	Encoder string
+	Status  int
+	Text    string
+}
+
+// Broadcast sends c to every encoder within timeout each, outside the
+// breakers and retry policies (a profile command), and returns each answer
+// in fleet order: the encoder's status and text, or the gateway's verdict.
+func (p *Pool) Broadcast(c *Call, timeout time.Duration) []BroadcastAnswer {
+	encs := p.Encoders()
+	out := make([]BroadcastAnswer, len(encs))
+	done := make(chan struct{})
+	for i, e := range encs {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			out[i] = p.broadcastOne(c, e, timeout)
+		}()
+	}
+	for range encs {
+		<-done
+	}
+	return out
+}
+
+func (p *Pool) broadcastOne(c *Call, e *Encoder, timeout time.Duration) BroadcastAnswer {
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.Header.SetMethodBytes(c.Method)
+	req.SetRequestURI(c.Route.Path)
+	if len(c.ContentType) > 0 {
+		req.Header.SetContentTypeBytes(c.ContentType)
+	}
+	req.SetBodyRaw(c.Body)
+	t := e.targetFor(c.Route, nil)
+	err := t.do(req, resp, timeout)
+	o := Observation{Err: err}
+	if err == nil {
+		o.Status, o.Body = resp.StatusCode(), resp.Body()
+	}
+	v := Judge(c.Route, nil, nil, t.name, o)
+	v.Breaker = MarkNone // outside the breakers
+	p.m.exchanged(t, c.Route, &v)
+	if v.Kind != KindAnswered {
+		return BroadcastAnswer{Encoder: e.Name, Status: v.Status, Text: v.Message}
+	}
+	return BroadcastAnswer{Encoder: e.Name, Status: v.Status, Text: string(bytes.TrimRight(o.Body, "\n"))}
+}
