@@ -152,3 +152,24 @@ func TestLoadConfigReportsDecodeAndValidationProblemsTogether(t *testing.T) {
 		}
 	}
 }
+
+// Every key of the config says whether a reload applies it: a section is
+// tagged reload:"live" or reload:"restart", or it is untagged and so is each
+// of its fields.
+func TestEveryConfigSectionDeclaresItsReload(t *testing.T) {
+	var check func(typ reflect.Type, path string)
+	check = func(typ reflect.Type, path string) {
+		for i := 0; i < typ.NumField(); i++ {
+			f := typ.Field(i)
+			at := path + f.Name
+			switch tag := f.Tag.Get("reload"); {
+			case tag == "live" || tag == "restart":
+			case tag == "" && f.Type.Kind() == reflect.Struct && path == "":
+				check(f.Type, at+".")
+			default:
+				t.Errorf("%s: reload tag %q (want live or restart)", at, tag)
+			}
+		}
+	}
+	check(reflect.TypeOf(Config{}), "")
+}

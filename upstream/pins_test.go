@@ -135,3 +135,74 @@ func TestCountByEncoder(t *testing.T) {
 		t.Fatalf("CountByEncoder = %v", got)
 	}
 }
+
+// A pin moves through pending → encoded or failed. A success is never
+// overwritten by a later failure (the encoder still holds the part); a
+// failure is replaced by a new placement; a consequence of a failure never
+// hides its cause.
+func TestPinStates(t *testing.T) {
+	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
+	if pin, placed := p.Place("r", "enc-a", 1); !placed || pin.State != PinPending || pin.Encoder != "enc-a" {
+		t.Fatalf("Place = %+v %v", pin, placed)
+	}
+	// A sibling's /encode finds the pin and follows it.
+	if pin, placed := p.Place("r", "enc-b", 2); placed || pin.Encoder != "enc-a" {
+		t.Fatalf("second Place = %+v %v", pin, placed)
+	}
+	// Nothing reached enc-a: the /encode moves on, and only from where it was.
+	if p.Move("r", 2, "enc-c", 3) {
+		t.Fatal("Move from an encoder the pin is not on")
+	}
+	if !p.Move("r", 1, "enc-b", 2) {
+		t.Fatal("Move of a pending pin")
+	}
+	p.Encoded("r", 1) // a stale report from enc-a changes nothing
+	if pin, _ := p.Get("r"); pin.State != PinPending || pin.Encoder != "enc-b" {
+		t.Fatalf("after a stale Encoded: %+v", pin)
+	}
+	p.Encoded("r", 2)
+	if pin, _ := p.Get("r"); pin.State != PinEncoded || pin.EncoderID != 2 {
+		t.Fatalf("after Encoded: %+v", pin)
+	}
+	if p.Move("r", 2, "enc-c", 3) {
+		t.Fatal("an encoded pin moved")
+	}
+	p.Fail("r", 400, "a later bad /encode", true, false)
+	if pin, _ := p.Get("r"); pin.State != PinEncoded {
+		t.Fatalf("a failure overwrote a success: %+v", pin)
+	}
+	if _, placed := p.Place("r", "enc-c", 3); placed {
+		t.Fatal("an encoded pin was replaced")
+	}
+
+	p.Place("f", "enc-a", 1)
+	p.Fail("f", 400, "Error while loading data x", true, false)
+	p.Fail("f", 500, "Encode failed on the first request", true, true)
+	if pin, _ := p.Get("f"); !pin.Failed() || pin.Status != 400 || !pin.Answered || pin.Encoder != "enc-a" {
+		t.Fatalf("a consequence hid the cause: %+v", pin)
+	}
+	p.Fail("f", 503, "encgate: no usable encoder", false, false)
+	if pin, _ := p.Get("f"); pin.Status != 503 || pin.Answered {
+		t.Fatalf("a later failure of its own: %+v", pin)
+	}
+	if pin, placed := p.Place("f", "enc-b", 2); !placed || pin.State != PinPending || pin.Encoder != "enc-b" {
+		t.Fatalf("a failed part placed anew: %+v %v", pin, placed)
+	}
+}
+
+// Place wakes the follow-ups waiting for the pin.
+func TestPinPlaceWakesWaiters(t *testing.T) {
+	clk := clock.NewFake(t0)
+	p := NewPinTable(time.Minute, 100, clk)
+	created := clk.TimerCreated()
+	got := make(chan Pin)
+	go func() {
+		pin, _ := p.Wait("r", 5*time.Second, nil)
+		got <- pin
+	}()
+	<-created
+	p.Place("r", "enc-a", 1)
+	if pin := <-got; pin.Encoder != "enc-a" || pin.State != PinPending {
+		t.Fatalf("woke with %+v", pin)
+	}
+}
