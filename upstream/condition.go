@@ -79,16 +79,28 @@ func (c *Condition) UnmarshalYAML(n *yaml.Node) error {
 		return nil
 	case yaml.MappingNode:
 		var m struct {
-			Status       int    `yaml:"status"`
-			BodyContains string `yaml:"body_contains"`
+			Status       int
+			BodyContains string
 		}
-		dec := n.Decode
-		if err := dec(&m); err != nil {
-			return err
-		}
-		for i := 0; i < len(n.Content); i += 2 {
-			if k := n.Content[i].Value; k != "status" && k != "body_contains" {
-				return configfile.ValueError(n.Content[i], "unknown key %q in a condition (want status, body_contains)", k)
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			if v.Kind == yaml.AliasNode && v.Alias != nil {
+				v = v.Alias
+			}
+			switch k.Value {
+			case "status":
+				st, err := strconv.Atoi(v.Value)
+				if v.Kind != yaml.ScalarNode || err != nil {
+					return configfile.ValueError(v, "condition status must be an HTTP status (100-599), got %q", v.Value)
+				}
+				m.Status = st
+			case "body_contains":
+				if v.Kind != yaml.ScalarNode {
+					return configfile.ValueError(v, "body_contains must be a string")
+				}
+				m.BodyContains = v.Value
+			default:
+				return configfile.ValueError(k, "unknown key %q in a condition (want status, body_contains)", k.Value)
 			}
 		}
 		if m.Status < 100 || m.Status > 599 {

@@ -10,7 +10,7 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"regexp"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -30,35 +30,53 @@ func Load(path string, dst any) error {
 	return Decode(data, dst)
 }
 
-// Decode decodes YAML data strictly into dst. An empty document leaves dst
-// unchanged; more than one document is an error. Problems with single keys
-// (an unknown key, a value of the wrong form) do not stop decoding: they
-// come back as a *DecodeError naming each key's field path, and dst holds
-// everything else, so the caller can validate it too and report all
+// Decode decodes YAML data strictly into dst, a non-nil pointer. An empty
+// document leaves dst unchanged; more than one document is an error.
+// Problems with single keys (an unknown or repeated key, a value of the
+// wrong form) do not stop decoding: they come back as a *DecodeError whose
+// every problem is a *FieldError naming its field path and line, and dst
+// holds everything else, so the caller can validate it too and report all
 // problems at once. Any other error means nothing usable was decoded.
+//
+// The document is parsed into a node tree, which is then walked alongside
+// dst (see decoder), so a problem's path is where it was found, never
+// inferred from an error message.
 func Decode(data []byte, dst any) error {
+	rv := reflect.ValueOf(dst)
+	if rv.Kind() != reflect.Pointer || rv.IsNil() {
+		return fmt.Errorf("configfile: Decode needs a non-nil pointer, got %T", dst)
+	}
 	dec := yaml.NewDecoder(bytes.NewReader(data))
-	dec.KnownFields(true)
-	if err := dec.Decode(dst); err != nil {
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
 		if errors.Is(err, io.EOF) {
 			return nil
 		}
-		var te *yaml.TypeError
-		if !errors.As(err, &te) {
-			return fmt.Errorf("parsing config: %s%w", lineOf(data, err), err)
-		}
-		return newDecodeError(data, te.Errors)
+		return fmt.Errorf("parsing config: %s%w", lineOf(data, err), err)
 	}
-	var extra any
+	var extra yaml.Node
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
 		return errors.New("parsing config: more than one YAML document")
+	}
+	d := newDecoder(data)
+	if err := d.run(&doc, rv.Elem()); err != nil {
+		return err
+	}
+	if len(d.problems) > 0 {
+		return &DecodeError{Problems: d.problems}
 	}
 	return nil
 }
 
-// lineOf returns "line N: " for a YAML syntax error that names no line:
-// yaml.v3 leaves it out for a character YAML does not allow (reported at the
-// first one) and for a problem on the first line.
+// lineOf returns "line N: " for a YAML syntax error that names no line, else
+// "". A syntax error is a plain error from yaml.v3's parser, whose position
+// is not exposed in any other way, so this is the one place that reads
+// yaml's text, and only to see whether the message already names a line; the
+// line itself, where present, is yaml's (which, unlike the lines of
+// problems, also counts NEL, LS and PS as breaks). yaml.v3 leaves it out for a
+// character YAML does not allow (found here: the first such character), for
+// a problem on the first line and for an unknown anchor (line 1 here, unless
+// a character YAML does not allow comes first).
 func lineOf(data []byte, err error) string {
 	if strings.Contains(err.Error(), "line ") {
 		return ""
@@ -77,8 +95,8 @@ func lineOf(data []byte, err error) string {
 	return "line " + strconv.Itoa(1+breaks) + ": "
 }
 
-// DecodeError lists the keys that could not be decoded, each as
-// "field.path: problem".
+// DecodeError lists the keys that could not be decoded, each a *FieldError
+// ("field.path: problem (line N)").
 type DecodeError struct{ Problems []error }
 
 func (e *DecodeError) Error() string { return errors.Join(e.Problems...).Error() }
@@ -86,94 +104,31 @@ func (e *DecodeError) Error() string { return errors.Join(e.Problems...).Error()
 // Unwrap returns the problems, so errors.Join and friends see each one.
 func (e *DecodeError) Unwrap() []error { return e.Problems }
 
-var (
-	lineRE    = regexp.MustCompile(`(?s)^line (\d+)(?:, column (\d+))?: (.*)$`) // a message may quote a multi-line value
-	unknownRE = regexp.MustCompile(`(?s)^field (\S+) not found in type .*$`)
-)
-
-func newDecodeError(data []byte, msgs []string) *DecodeError {
-	var root yaml.Node
-	_ = yaml.Unmarshal(data, &root)
-	de := &DecodeError{}
-	for _, m := range msgs {
-		line, col, msg := 0, 0, m
-		if g := lineRE.FindStringSubmatch(m); g != nil {
-			line, _ = strconv.Atoi(g[1])
-			col, _ = strconv.Atoi(g[2])
-			msg = g[3]
-		}
-		key := ""
-		if g := unknownRE.FindStringSubmatch(msg); g != nil {
-			key, msg = g[1], "unknown key"
-		}
-		path := pathAt(&root, position{line, col}, key)
-		if path == "" {
-			path = "line " + strconv.Itoa(line)
-		} else {
-			msg += " (line " + strconv.Itoa(line) + ")"
-		}
-		de.Problems = append(de.Problems, fmt.Errorf("%s: %s", path, msg))
-	}
-	return de
+// FieldError is one value or key that could not be decoded.
+type FieldError struct {
+	// Path is the field path ("retry.metadata.retry_on[2]"), "" for the
+	// document itself. Decode sets it; ValueError leaves it empty.
+	Path string
+	// Line and Column are where the offending YAML starts (1-based), lines
+	// counted as an editor counts them (see lineMap).
+	Line, Column int
+	// Msg says what is wrong.
+	Msg string
 }
 
-// position is where a problem is: a line, and the column of the value when
-// known (ValueError gives it; yaml's own unknown-key errors do not).
-type position struct{ line, col int }
-
-func (p position) at(n *yaml.Node) bool { return p.col > 0 && n.Line == p.line && n.Column == p.col }
-
-// pathAt returns the field path of the problem at pos in the document under
-// n, or "": the value at exactly pos when its column is known, else the
-// deepest mapping key on that line (named key, when given).
-func pathAt(n *yaml.Node, pos position, key string) string {
-	line := pos.line
-	var walk func(n *yaml.Node, path string) string
-	walk = func(n *yaml.Node, path string) string {
-		switch n.Kind {
-		case yaml.DocumentNode:
-			for _, c := range n.Content {
-				if p := walk(c, path); p != "" {
-					return p
-				}
-			}
-		case yaml.MappingNode:
-			for i := 0; i+1 < len(n.Content); i += 2 {
-				k, v := n.Content[i], n.Content[i+1]
-				child := k.Value
-				if path != "" {
-					child = path + "." + k.Value
-				}
-				if pos.at(v) {
-					return child
-				}
-				if p := walk(v, child); p != "" {
-					return p
-				}
-				if pos.col == 0 && k.Line == line && (key == "" || k.Value == key) {
-					return child
-				}
-			}
-		case yaml.SequenceNode:
-			for i, c := range n.Content {
-				child := path + "[" + strconv.Itoa(i) + "]"
-				if pos.at(c) {
-					return child
-				}
-				if p := walk(c, child); p != "" {
-					return p
-				}
-			}
-		}
-		return ""
+// Error is "path: msg (line N)", or "line N: msg" without a path.
+func (e *FieldError) Error() string {
+	if e.Path == "" {
+		return "line " + strconv.Itoa(e.Line) + ": " + e.Msg
 	}
-	return walk(n, "")
+	return e.Path + ": " + e.Msg + " (line " + strconv.Itoa(e.Line) + ")"
 }
 
-// ValueError reports a value that cannot be decoded, in the form that lets
-// decoding go on and collect every problem (see Decode).
+// ValueError reports that n cannot be decoded; an UnmarshalYAML returns it.
+// Decode then reports it as a problem at the field's path with n's line and
+// goes on decoding the rest (see Decode).
 func ValueError(n *yaml.Node, format string, args ...any) error {
-	return &yaml.TypeError{Errors: []string{fmt.Sprintf("line %d, column %d: ", n.Line, n.Column) + fmt.Sprintf(format, args...)}}
+	return &FieldError{Line: n.Line, Column: n.Column, Msg: fmt.Sprintf(format, args...)}
 }
 
 // Duration is a time.Duration written in YAML as a Go duration string

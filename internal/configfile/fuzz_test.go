@@ -1,13 +1,16 @@
 package configfile
 
 import (
+	"bytes"
 	"errors"
+	"io"
 	"math/big"
 	"reflect"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -91,8 +94,9 @@ var (
 
 // FuzzDecode decodes arbitrary YAML over defaults: never a panic; an error
 // is either a parse error naming its line or a *DecodeError whose every
-// problem names a field path or a line that exists; and whatever decodes without error encodes and
-// decodes back to the same value.
+// problem names a field path or a line that exists; whatever decodes without
+// error encodes and decodes back to the same value; and Decode agrees with
+// yaml.v3's own strict decoder (see checkLikeYAML).
 func FuzzDecode(f *testing.F) {
 	for _, s := range []string{
 		"name: x\ncount: 7\nwait: 250ms\nsize: 8MiB\n",
@@ -102,6 +106,10 @@ func FuzzDecode(f *testing.F) {
 		"---\nname: a\n---\nname: b\n", "name: [unclosed", "", "~", "# only a comment\n",
 		"name: &a x\ncount: *a\n", "size: !!binary aGVsbG8=\n", "ratio: .nan\n", "wait: -5s\n",
 		"items:\n- url: a\n  url: b\n", "\tname: x", "name: \"\\xff\"\n",
+		"n: &n {url: a, wait: 1s}\np: {<<: [*n, {url: b, next: *n}], wait: 2s}\nms: {x: *n, <<: {y: {url: c}}}\n",
+		"i8: 127\nu16: 0x10\nu64: 1e3\nf32: .inf\nb: on\nd: 1h\na: [1, 2]\nx: {k: [1, ~]}\ne: 3\nuntagged: 4\n",
+		"mi: {1: a, 0x1: b}\nm: {a: 1, *k : 2}\nopen: {name: o, extra: 5}\nl: [~, {url: d}]\npi: ~\n",
+		"m: {~: 1}\nls: !!seq [a]\ns: !!binary aGk=\nwait: !!null 5s\nn: {next: {next: {url: z}}}\n",
 	} {
 		f.Add([]byte(s))
 	}
@@ -109,6 +117,7 @@ func FuzzDecode(f *testing.F) {
 		if len(data) > 4096 {
 			return // long documents add no paths and slow minimisation
 		}
+		checkLikeYAML(t, data)
 		doc := defaultFuzzDoc()
 		err := Decode(data, &doc)
 		var de *DecodeError
@@ -148,6 +157,158 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("round trip of %q via %q\n got %+v\nwant %+v", data, out, back, doc)
 		}
 	})
+}
+
+// likeDoc has a field of every kind the walk handles, so that checkLikeYAML
+// compares Decode with yaml.v3 on each.
+type likeDoc struct {
+	S         string         `yaml:"s"`
+	I         int            `yaml:"i"`
+	I8        int8           `yaml:"i8"`
+	U16       uint16         `yaml:"u16"`
+	U64       uint64         `yaml:"u64"`
+	F32       float32        `yaml:"f32"`
+	F64       float64        `yaml:"f64"`
+	B         bool           `yaml:"b"`
+	D         time.Duration  `yaml:"d"`
+	Wait      Duration       `yaml:"wait"`
+	Size      ByteSize       `yaml:"size"`
+	P         *likeItem      `yaml:"p"`
+	PI        *int           `yaml:"pi"`
+	L         []likeItem     `yaml:"l"`
+	LS        []string       `yaml:"ls"`
+	A         [2]int         `yaml:"a"`
+	M         map[string]int `yaml:"m"`
+	MI        map[int]string `yaml:"mi"`
+	MS        map[string]likeItem
+	N         likeItem `yaml:"n"`
+	Open      likeOpen `yaml:"open"`
+	X         any      `yaml:"x"`
+	Skip      int      `yaml:"-"`
+	Untagged  int
+	likeEmbed `yaml:",inline"`
+}
+
+type likeItem struct {
+	URL  string    `yaml:"url"`
+	Wait Duration  `yaml:"wait"`
+	Next *likeItem `yaml:"next"`
+}
+
+type likeOpen struct {
+	Name string         `yaml:"name"`
+	Rest map[string]int `yaml:",inline"`
+}
+
+type likeEmbed struct {
+	E int `yaml:"e"`
+}
+
+func defaultLikeDoc() likeDoc {
+	five := 5
+	return likeDoc{S: "d", I: 1, F64: 0.5, Wait: Duration(time.Second), P: &likeItem{URL: "d"}, PI: &five,
+		L: []likeItem{{URL: "d"}}, LS: []string{"d"}, A: [2]int{1, 2}, M: map[string]int{"d": 1},
+		MS: map[string]likeItem{"d": {URL: "d"}}, Open: likeOpen{Rest: map[string]int{"d": 1}}, Skip: 7, Untagged: 3}
+}
+
+// checkLikeYAML decodes data into a likeDoc with Decode and with yaml.v3's
+// decoder (KnownFields), each over the defaults: when both succeed the
+// results are the same, and when one fails the other does too, except where
+// Decode is stricter on purpose (a null key, which yaml.v3 drops; a map key
+// repeated in a different spelling, which yaml.v3 lets the last one win) or
+// the two alias-expansion bounds count differently.
+func checkLikeYAML(t *testing.T, data []byte) {
+	ref := defaultLikeDoc()
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	refErr := dec.Decode(&ref)
+	if errors.Is(refErr, io.EOF) {
+		refErr = nil
+	} else if refErr == nil {
+		var extra yaml.Node
+		if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+			refErr = errors.New("more than one document")
+		}
+	}
+	got := defaultLikeDoc()
+	err := Decode(data, &got)
+	aliasing := func(err error) bool {
+		return err != nil && (strings.Contains(err.Error(), "aliases expand the document too much") ||
+			strings.Contains(err.Error(), "excessive aliasing"))
+	}
+	switch {
+	case aliasing(err) || aliasing(refErr):
+	case err == nil && refErr == nil:
+		if !sameValue(reflect.ValueOf(got), reflect.ValueOf(ref)) {
+			g, _ := yaml.Marshal(got)
+			w, _ := yaml.Marshal(ref)
+			t.Fatalf("Decode(%q) differs from yaml.v3\n--- got\n%s\n--- want\n%s", data, g, w)
+		}
+	case err == nil:
+		t.Fatalf("Decode(%q) accepts what yaml.v3 refuses: %v", data, refErr)
+	case refErr == nil:
+		var de *DecodeError
+		if !errors.As(err, &de) {
+			t.Fatalf("Decode(%q) = %v; yaml.v3 accepts it", data, err)
+		}
+		for _, p := range de.Problems {
+			var fe *FieldError
+			if !errors.As(p, &fe) || fe.Msg != "null is not a valid key" && !strings.HasPrefix(fe.Msg, "duplicate key") {
+				t.Fatalf("Decode(%q) refuses what yaml.v3 accepts: %v", data, p)
+			}
+		}
+	}
+}
+
+// sameValue is reflect.DeepEqual with NaN equal to itself.
+func sameValue(a, b reflect.Value) bool {
+	if a.IsValid() != b.IsValid() {
+		return false
+	}
+	if !a.IsValid() {
+		return true
+	}
+	if a.Type() != b.Type() {
+		return false
+	}
+	switch a.Kind() {
+	case reflect.Float32, reflect.Float64:
+		x, y := a.Float(), b.Float()
+		return x == y || x != x && y != y
+	case reflect.Pointer, reflect.Interface:
+		if a.IsNil() || b.IsNil() {
+			return a.IsNil() == b.IsNil()
+		}
+		return sameValue(a.Elem(), b.Elem())
+	case reflect.Struct:
+		for i := range a.NumField() {
+			if !sameValue(a.Field(i), b.Field(i)) {
+				return false
+			}
+		}
+		return true
+	case reflect.Slice, reflect.Array:
+		if a.Kind() == reflect.Slice && a.IsNil() != b.IsNil() || a.Len() != b.Len() {
+			return false
+		}
+		for i := range a.Len() {
+			if !sameValue(a.Index(i), b.Index(i)) {
+				return false
+			}
+		}
+		return true
+	case reflect.Map:
+		if a.IsNil() != b.IsNil() || a.Len() != b.Len() {
+			return false
+		}
+		for it := a.MapRange(); it.Next(); {
+			if !sameValue(it.Value(), b.MapIndex(it.Key())) {
+				return false
+			}
+		}
+		return true
+	}
+	return reflect.DeepEqual(a.Interface(), b.Interface())
 }
 
 // normalize returns v with every empty slice and map set to nil, and NaN
