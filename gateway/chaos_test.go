@@ -1074,7 +1074,7 @@ func TestChaosMemoryBoundedMillionReqIDs(t *testing.T) {
 		pins.Set(id, enc.Name, enc.ID())
 		switch i % 4 {
 		case 0:
-			pins.Fail(id, 500, "Internal encoding error: injected", true, false)
+			pins.Fail(id, upstream.Failure{Status: 500, Message: "Internal encoding error: injected", Answered: true, Placed: true})
 		case 1, 2:
 			body = append(body, `","part_idx":0,"embedding_size":524288,"embedding_len":256,"embedding_dim":1024,`+
 				`"prefill_host":"10.0.0.1","embedding_port":40000,"session_id":"10.0.0.1:17000",`+

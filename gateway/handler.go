@@ -73,13 +73,13 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 // refuse answers a body the encoder must not see with 400. A refused
 // /encode is remembered like a failed one, so that its part's follow-ups
 // fail at once instead of waiting for an encode that will never come (a
-// pin already encoded stays: the encoder still holds the part).
+// pin already encoded, or placed by another /encode still going, stays).
 func (s *Server) refuse(ctx *fasthttp.RequestCtx, rt *sglang.Route, ferr *sglang.FieldError) {
 	var id *string
 	if ferr.ReqID != "" {
 		id = &ferr.ReqID
 		if rt.Kind == sglang.KindEncode {
-			s.pool.Pins.Fail(ferr.ReqID, fasthttp.StatusBadRequest, ferr.Message, false, false)
+			s.pool.Pins.Fail(ferr.ReqID, upstream.Failure{Status: fasthttp.StatusBadRequest, Message: ferr.Message})
 		}
 	}
 	writeEnvelope(ctx, fasthttp.StatusBadRequest, ferr.Message, id)

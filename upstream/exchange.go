@@ -42,7 +42,8 @@ type Result struct {
 	// Delivered says some attempt may have reached an encoder.
 	Delivered bool
 
-	enc *Encoder // the last attempt's encoder
+	enc    *Encoder // the last attempt's encoder
+	placed bool     // this call placed the req_id's pin
 }
 
 // Exchange runs c: route → attempts under the route's policy, budget and
@@ -62,6 +63,8 @@ func (p *Pool) Exchange(c *Call) Result {
 	}
 	res := p.attempts(c, f, pol, st)
 	if c.Route.Kind == sglang.KindEncode {
+		r, _ := st.(*ranked)
+		res.placed = r != nil && r.placed != nil && !r.lost
 		p.recordEncode(c, res)
 	}
 	return res
@@ -202,7 +205,8 @@ func (p *Pool) recordEncode(c *Call, res Result) {
 	if answered {
 		msg = AnswerMessage(c.Resp.Body())
 	}
-	p.Pins.Fail(c.ReqID, v.Status, msg, answered, v.Cause == CauseOtherRequest)
+	p.Pins.Fail(c.ReqID, Failure{Status: v.Status, Message: msg, Answered: answered,
+		Consequence: v.Cause == CauseOtherRequest, Placed: res.placed})
 }
 
 var messageKey = []string{"message"}

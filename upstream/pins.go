@@ -138,19 +138,37 @@ func (t *PinTable) Encoded(reqID string, id uint64) {
 	})
 }
 
-// Fail records that reqID's /encode ended with status and message;
-// answered says the encoder itself answered so. The encoder it was pinned
-// to, if any, is kept. A pin whose /encode was answered 200 is never
-// overwritten: the encoder still holds the part. Neither is an earlier
-// failure by a consequence of it (consequence: GEN0's "Encode failed on the
-// first request" to a sibling rank), which would only hide the cause.
-func (t *PinTable) Fail(reqID string, status int, message string, answered, consequence bool) {
+// Failure is how an /encode failed, for Fail.
+type Failure struct {
+	Status  int
+	Message string
+	// Answered: the encoder itself answered so.
+	Answered bool
+	// Consequence: the answer is a consequence of another failure of the
+	// part (GEN0's "Encode failed on the first request" to a sibling rank).
+	Consequence bool
+	// Placed: this call placed the pin (ranked strategy); a call that
+	// followed another's pin did not.
+	Placed bool
+}
+
+// Fail records that reqID's /encode ended in f. The encoder it was pinned
+// to, if any, is kept. Three pins are left as they are, because the
+// failure says nothing about the part they hold:
+//   - a pin whose /encode was answered 200: the encoder still holds the part;
+//   - an earlier failure, when f is a consequence of it: it would only hide
+//     the cause;
+//   - a pending pin another call placed, when the gateway answered f itself:
+//     that call's /encode is still going (a sibling rank refused at the
+//     gateway, say, while the first rank's encode runs).
+func (t *PinTable) Fail(reqID string, f Failure) {
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
-		if ok && (cur.State == PinEncoded || cur.Failed() && consequence) {
+		if ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
+			cur.State == PinPending && !f.Answered && !f.Placed) {
 			return cur, false
 		}
 		return Pin{Encoder: cur.Encoder, EncoderID: cur.EncoderID, State: PinFailed,
-			Answered: answered, Status: status, Message: message}, true
+			Answered: f.Answered, Status: f.Status, Message: f.Message}, true
 	})
 }
 

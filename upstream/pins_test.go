@@ -33,12 +33,12 @@ func TestPinTTL(t *testing.T) {
 func TestPinFailKeepsEncoder(t *testing.T) {
 	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
 	p.Set("r", "enc-b", 1)
-	p.Fail("r", 400, "bad media", true, false)
+	p.Fail("r", Failure{Status: 400, Message: "bad media", Answered: true, Placed: true})
 	pin, ok := p.Get("r")
 	if !ok || !pin.Failed() || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
 		t.Fatalf("Get = %+v", pin)
 	}
-	p.Fail("never-pinned", 503, "no usable encoder", false, false)
+	p.Fail("never-pinned", Failure{Status: 503, Message: "no usable encoder"})
 	if pin, _ := p.Get("never-pinned"); !pin.Failed() || pin.Encoder != "" {
 		t.Fatalf("failure without pin = %+v", pin)
 	}
@@ -129,7 +129,7 @@ func TestCountByEncoder(t *testing.T) {
 	p.Set("a", "x", 1)
 	p.Set("b", "x", 1)
 	p.Set("c", "y", 1)
-	p.Fail("d", 503, "none", false, false)
+	p.Fail("d", Failure{Status: 503, Message: "none"})
 	got := p.CountByEncoder()
 	if got["x"] != 2 || got["y"] != 1 || len(got) != 2 {
 		t.Fatalf("CountByEncoder = %v", got)
@@ -167,7 +167,7 @@ func TestPinStates(t *testing.T) {
 	if p.Move("r", 2, "enc-c", 3) {
 		t.Fatal("an encoded pin moved")
 	}
-	p.Fail("r", 400, "a later bad /encode", true, false)
+	p.Fail("r", Failure{Status: 400, Message: "a later bad /encode", Answered: true})
 	if pin, _ := p.Get("r"); pin.State != PinEncoded {
 		t.Fatalf("a failure overwrote a success: %+v", pin)
 	}
@@ -176,12 +176,12 @@ func TestPinStates(t *testing.T) {
 	}
 
 	p.Place("f", "enc-a", 1)
-	p.Fail("f", 400, "Error while loading data x", true, false)
-	p.Fail("f", 500, "Encode failed on the first request", true, true)
+	p.Fail("f", Failure{Status: 400, Message: "Error while loading data x", Answered: true, Placed: true})
+	p.Fail("f", Failure{Status: 500, Message: "Encode failed on the first request", Answered: true, Consequence: true})
 	if pin, _ := p.Get("f"); !pin.Failed() || pin.Status != 400 || !pin.Answered || pin.Encoder != "enc-a" {
 		t.Fatalf("a consequence hid the cause: %+v", pin)
 	}
-	p.Fail("f", 503, "encgate: no usable encoder", false, false)
+	p.Fail("f", Failure{Status: 503, Message: "encgate: no usable encoder"})
 	if pin, _ := p.Get("f"); pin.Status != 503 || pin.Answered {
 		t.Fatalf("a later failure of its own: %+v", pin)
 	}
@@ -204,5 +204,26 @@ func TestPinPlaceWakesWaiters(t *testing.T) {
 	p.Place("r", "enc-a", 1)
 	if pin := <-got; pin.Encoder != "enc-a" || pin.State != PinPending {
 		t.Fatalf("woke with %+v", pin)
+	}
+}
+
+// A gateway-made failure of an /encode that followed another's pending pin
+// (a sibling rank refused at the gateway) leaves that pin alone: the first
+// rank's encode is still going.
+func TestPinFailOfAFollowerLeavesAPendingPin(t *testing.T) {
+	p := NewPinTable(time.Minute, 100, clock.NewFake(t0))
+	p.Place("r", "enc-a", 1)
+	p.Fail("r", Failure{Status: 503, Message: "encgate: encoder enc-a is down"})
+	if pin, _ := p.Get("r"); pin.State != PinPending {
+		t.Fatalf("a follower's own failure failed the pin: %+v", pin)
+	}
+	p.Fail("r", Failure{Status: 400, Message: "bad media", Answered: true})
+	if pin, _ := p.Get("r"); !pin.Failed() || pin.Status != 400 {
+		t.Fatalf("the encoder's answer: %+v", pin)
+	}
+	p.Place("q", "enc-a", 1)
+	p.Fail("q", Failure{Status: 503, Message: "encgate: no time left", Placed: true})
+	if pin, _ := p.Get("q"); !pin.Failed() {
+		t.Fatalf("the placing call's failure: %+v", pin)
 	}
 }
