@@ -451,6 +451,57 @@ func TestGen0FailedPartWithTP6LeavesTheBreakerClosed(t *testing.T) {
 	breakerNoFault(t, g, enc)
 }
 
+// NEW: a part's six receiver ranks pull its metadata while its /encode
+// fails on bad media. The encoder answers each waiting pull 500 with the
+// encode's error (§5: the failure published as metadata). That is the
+// /encode's failure seen six more times, judged once on the /encode
+// itself: the breaker stays closed, and with a 400 nothing counts at all.
+// The same with a CUDA fault: the one /encode counts, its six pulls do not.
+func TestNewFailedPartsPullsLeaveTheBreakerClosed(t *testing.T) {
+	for _, tc := range []struct {
+		name, hook string
+		status     int
+		faults     float64 // what the breaker counts
+	}{
+		{"bad media", "fail:400:Error while loading data https://x/missing.png: 404", 400, 0},
+		{"cuda fault", "fail:500:Internal encoding error: CUDA out of memory", 500, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			encs := startFakes(t, 1, nil)
+			g := startGateway(t, fakeURLs(encs), func(c *Config) {
+				c.Health.Disabled = true
+				c.Breaker.ConsecutiveFailures = 3
+				c.Affinity.UnknownWait = 0 // the pulls go to the owner and wait there
+			})
+			cs := newCallers(t)
+			const id = "tp6new_local_part_0"
+			const tp = 6
+			var pulls []<-chan result
+			for rank := 0; rank < tp; rank++ {
+				pulls = append(pulls, cs.post(g.base+"/scheduler_receive_meta_data", metaBody(id)))
+			}
+			eventually(t, "the six pulls to wait at the encoder", func() bool {
+				return answeredEarly(pulls) || encs[0].Stats().Waiting["/scheduler_receive_meta_data"] == tp
+			})
+			msg := tc.hook[len("fail:000:"):]
+			wantEnvelopeMsg(t, post(t, g.base+"/encode", tokenizerEncode(id, tc.hook)), tc.status, msg, strp(id))
+			for rank, ch := range pulls {
+				wantEnvelopeMsg(t, await(t, fmt.Sprintf("pull %d", rank), ch), http.StatusInternalServerError, msg, strp(id))
+			}
+			e := g.Pool().Encoders()[0]
+			if st, c := e.Breaker.State(), e.Breaker.Counts(); st != upstream.BreakerClosed || float64(c.TotalFailures) != tc.faults {
+				t.Fatalf("breaker %v, counts %+v; want closed with %v failures", st, c, tc.faults)
+			}
+			if n := seriesValue(t, g, "encgate_breaker_outcomes_total", "encoder", e.Name, "outcome", "fault"); n != tc.faults {
+				t.Fatalf("faults counted %v, want %v", n, tc.faults)
+			}
+			if a := post(t, g.base+"/encode", encodeBody("after_local_part_0")); a.status != 200 {
+				t.Fatalf("a good /encode after the failed part: %d %s", a.status, a.body)
+			}
+		})
+	}
+}
+
 // A 500 the encoder raises about itself ("Internal encoding error: CUDA out
 // of memory") is an instance fault: the breaker opens after
 // breaker.consecutive_failures of them, and the /encodes that encoder owns

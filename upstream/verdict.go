@@ -313,6 +313,12 @@ func answerCause(rt *sglang.Route, status int, body []byte) Cause {
 		// changed receive_count. The fields the encoder indexes were checked
 		// before forwarding, so what is left is about the req_id.
 		return CauseRequest
+	case rt == sglang.RouteMetadata && status == fasthttp.StatusInternalServerError:
+		// A pull's 500 is the part's encode failure as the encoder published
+		// it (§5: the error text, or "encode metadata missing"): the
+		// /encode's own verdict judged that failure, once, and every rank
+		// of the part pulls it again.
+		return CauseOtherRequest
 	}
 	return CauseEncoder
 }

@@ -70,7 +70,8 @@ func TestVerdictTable(t *testing.T) {
 		{"DP unknown req_id on /send (text)", send, tgt, answer(500, "Encoder DP worker send error: Unknown req_id: r"), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"request was released", send, tgt, answer(500, env("Encoder request was released: r")), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"no embedding after a failed encode", send, tgt, answer(500, env("No embedding available for Mooncake GPU-direct transfer: r")), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
-		{"a metadata error record", meta, tgt, answer(500, env("Error while loading data x")), KindAnswered, Delivered, CauseEncoder, 500, MarkFault, "status_500", false, "500", ""},
+		{"a failed part's error record, pulled by each rank", meta, tgt, answer(500, env("Error while loading data x")), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
+		{"an encoder fault's error record: counted on its /encode", meta, tgt, answer(500, env("Internal encoding error: CUDA out of memory")), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		// Long-polls that ran out.
 		{"metadata not ready: retried", meta, tgt, answer(504, env(sglang.MetadataNotReady)), KindAnswered, Delivered, CauseExpired, 504, MarkIgnored, "status_504", true, "504", ""},
 		{"registration before /encode timed out", reg, tgt, answer(504, env("Timed out waiting for encoder request to start: r")), KindAnswered, Delivered, CauseExpired, 504, MarkIgnored, "status_504", true, "504", ""},
