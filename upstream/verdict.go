@@ -307,6 +307,9 @@ func answerCause(rt *sglang.Route, status int, body []byte) Cause {
 		// The RDMA write or the agent's ack to the receiver failed: the
 		// destination fails every encoder alike.
 		return CauseRequest
+	case rt.Kind == sglang.KindEncode && (has(sglang.PreprocessFailed) || has(sglang.NotImplemented)):
+		// The request's media broke preprocessing: any encoder fails it.
+		return CauseRequest
 	case rt.Kind != sglang.KindEncode && string(bytes.TrimSpace(body)) == sglang.InternalServerError:
 		// Starlette's answer to a KeyError on the req_id (GEN0's unknown
 		// /send, a sibling's released state) or GEN0's failed assert on a

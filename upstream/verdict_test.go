@@ -58,6 +58,8 @@ func TestVerdictTable(t *testing.T) {
 		{"404 DP unknown req_id", reg, tgt, answer(404, env("Unknown req_id: r")), KindAnswered, Delivered, CauseRequest, 404, MarkSuccess, "status_404", false, "404", ""},
 		{"422 not a dict", enc, tgt, answer(422, `{"detail":[]}`), KindAnswered, Delivered, CauseRequest, 422, MarkSuccess, "status_422", false, "422", ""},
 		{"429", enc, tgt, answer(429, ""), KindAnswered, Delivered, CauseRequest, 429, MarkSuccess, "status_429", false, "429", ""},
+		{"media that breaks preprocessing", enc, tgt, answer(500, env("Failed to process mm items: cannot identify image file")), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
+		{"a modality the model cannot do", enc, tgt, answer(500, env("Not implemented error: video")), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"KeyError text on /send (GEN0 unknown req_id)", send, tgt, answer(500, "Internal Server Error"), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"AssertionError text on a registration (GEN0)", reg, tgt, answer(500, "Internal Server Error\n"), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"KeyError text on a metadata pull", meta, tgt, answer(500, "Internal Server Error"), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},

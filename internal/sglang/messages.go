@@ -51,3 +51,12 @@ const UnknownReqID = "Unknown req_id"
 // reached the receiver's buffer but its ack (or completion notice) could
 // not be delivered: about the receiver, not the encoder.
 const ReceiverNotTold = "so the receiver will not know"
+
+// Preprocessing failures on the request's own media (§3): NEW answers 500
+// for exceptions other than TypeError/ValueError, both generations for a
+// NotImplementedError. An encoder whose processor is broken for every input
+// fails its /health probe (a dummy encode) too.
+const (
+	PreprocessFailed = "Failed to process mm items"
+	NotImplemented   = "Not implemented error"
+)
