@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"strconv"
 	"sync"
 	"time"
 
@@ -23,21 +22,6 @@ type metrics struct {
 	adminUnauthorized prometheus.Counter
 
 	hot hot
-}
-
-// codeLabels avoids formatting a status code on every request.
-var codeLabels = func() (t [600]string) {
-	for i := range t {
-		t[i] = strconv.Itoa(i)
-	}
-	return t
-}()
-
-func codeLabel(code int) string {
-	if code >= 0 && code < len(codeLabels) {
-		return codeLabels[code]
-	}
-	return strconv.Itoa(code)
 }
 
 func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *connLimiter) *metrics {
@@ -114,11 +98,11 @@ func (m *metrics) observe(rt *sglang.Route, code int, d time.Duration) {
 	if code == fasthttp.StatusOK {
 		c, ok := m.hot.ok.Load(rt)
 		if !ok {
-			c, _ = m.hot.ok.LoadOrStore(rt, m.requests.WithLabelValues(rt.Label, codeLabel(code)))
+			c, _ = m.hot.ok.LoadOrStore(rt, m.requests.WithLabelValues(rt.Label, upstream.CodeLabel(code)))
 		}
 		c.(prometheus.Counter).Inc()
 	} else {
-		m.requests.WithLabelValues(rt.Label, codeLabel(code)).Inc()
+		m.requests.WithLabelValues(rt.Label, upstream.CodeLabel(code)).Inc()
 	}
 	if o, ok := m.hot.duration[rt]; ok {
 		o.Observe(d.Seconds())

@@ -57,11 +57,14 @@ const (
 var kindNames = [...]string{"answered", "dial_failed", "stale", "refused", "breaker_busy", "no_time", "timeout",
 	"broken", "canceled", "no_encoder", "unusable", "gone", "remembered"}
 
-func (k Kind) String() string {
-	if int(k) < len(kindNames) {
-		return kindNames[k]
+func (k Kind) String() string { return enumName(kindNames[:], int(k), "kind") }
+
+// enumName is names[i], or type(i) for a value without a name.
+func enumName(names []string, i int, typ string) string {
+	if i < len(names) {
+		return names[i]
 	}
-	return "kind(" + strconv.Itoa(int(k)) + ")"
+	return typ + "(" + strconv.Itoa(i) + ")"
 }
 
 // Delivery says whether a request may have reached an encoder.
@@ -105,12 +108,7 @@ const (
 
 var causeNames = [...]string{"none", "encoder", "request", "other_request", "expired", "operator", "gateway"}
 
-func (c Cause) String() string {
-	if int(c) < len(causeNames) {
-		return causeNames[c]
-	}
-	return "cause(" + strconv.Itoa(int(c)) + ")"
-}
+func (c Cause) String() string { return enumName(causeNames[:], int(c), "cause") }
 
 // Mark is how an encoder's breaker counts an exchange.
 type Mark uint8
@@ -129,12 +127,7 @@ const (
 
 var markNames = [...]string{"none", "success", "fault", "ignored"}
 
-func (m Mark) String() string {
-	if int(m) < len(markNames) {
-		return markNames[m]
-	}
-	return "mark(" + strconv.Itoa(int(m)) + ")"
-}
+func (m Mark) String() string { return enumName(markNames[:], int(m), "mark") }
 
 // Retry reasons (encgate_retries_total{reason}); an answer's is
 // "status_<code>".
@@ -267,7 +260,7 @@ func judgeOutcome(rt *sglang.Route, ignore []Condition, t Target, o Observation)
 
 // judgeAnswer classifies an encoder's answer by its status and message.
 func judgeAnswer(rt *sglang.Route, ignore []Condition, status int, body []byte) Verdict {
-	v := Verdict{Kind: KindAnswered, Delivery: Delivered, Status: status, Label: codeLabel(status),
+	v := Verdict{Kind: KindAnswered, Delivery: Delivered, Status: status, Label: CodeLabel(status),
 		Reason: statusReason(status), Breaker: MarkSuccess}
 	switch {
 	case status < 400:
@@ -350,7 +343,8 @@ var codeLabels = func() (t [600]string) {
 	return t
 }()
 
-func codeLabel(code int) string {
+// CodeLabel is a status code as a metric label value, formatted once.
+func CodeLabel(code int) string {
 	if code >= 0 && code < len(codeLabels) {
 		return codeLabels[code]
 	}
