@@ -1079,7 +1079,7 @@ func TestChaosMemoryBoundedMillionReqIDs(t *testing.T) {
 			body = append(body, `","part_idx":0,"embedding_size":524288,"embedding_len":256,"embedding_dim":1024,`+
 				`"prefill_host":"10.0.0.1","embedding_port":40000,"session_id":"10.0.0.1:17000",`+
 				`"buffer_address":140737488355328,"receive_count":1}`...)
-			parsed, err := sglang.ParseSend(body)
+			parsed, err := sglang.ParseSend(body, sglang.Limits{})
 			if err != nil {
 				t.Fatal(err)
 			}

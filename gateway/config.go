@@ -12,6 +12,7 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -90,6 +91,13 @@ type LimitsConfig struct {
 	WriteTimeout configfile.Duration `yaml:"write_timeout" reload:"restart"`
 	// IdleTimeout closes keep-alive connections idle this long (default 120s).
 	IdleTimeout configfile.Duration `yaml:"idle_timeout" reload:"restart"`
+	// MaxFieldBytes bounds each string a request is keyed or routed by
+	// (req_id, prefill_host, session_id, receive_url), decoded (default
+	// 512 bytes; 64 to 64KiB). Longer is answered 400: a part id is ~50
+	// bytes and a host at most 255, so only a hostile or broken client
+	// sends more, and every byte of a key is held by the pin and /send
+	// tables.
+	MaxFieldBytes configfile.ByteSize `yaml:"max_field_bytes" reload:"restart"`
 	// MaxConns bounds open client connections (default 10000). One more is
 	// answered with a 503 envelope and closed.
 	MaxConns int `yaml:"max_conns" reload:"restart"`
@@ -121,6 +129,7 @@ func DefaultConfig() Config {
 		Limits: LimitsConfig{
 			MaxBodyBytes:          8 << 20,
 			MaxHeaderBytes:        64 << 10,
+			MaxFieldBytes:         sglang.DefaultMaxFieldBytes,
 			ReadHeaderTimeout:     configfile.Duration(10e9),
 			ReadTimeout:           configfile.Duration(60e9),
 			WriteTimeout:          configfile.Duration(60e9),
@@ -167,6 +176,9 @@ func (c Config) Validate() error {
 	if h := c.Limits.MaxHeaderBytes; h < minHeaderBytes || h > maxHeaderBytes {
 		p.Addf("limits.max_header_bytes", "must be between %s and %s (every open connection holds a read buffer this large), got %s",
 			configfile.ByteSize(minHeaderBytes), configfile.ByteSize(maxHeaderBytes), h)
+	}
+	if f := c.Limits.MaxFieldBytes; f < 64 || f > 64<<10 {
+		p.Addf("limits.max_field_bytes", "must be between 64B and 64KiB, got %s", f)
 	}
 	p.Positive("limits.read_header_timeout", c.Limits.ReadHeaderTimeout)
 	p.Positive("limits.read_timeout", c.Limits.ReadTimeout)

@@ -53,7 +53,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	}
 	// Parse: what the encoder would index is checked before anything is
 	// forwarded.
-	req, ferr := rt.Parse(ctx.PostBody())
+	req, ferr := rt.Parse(ctx.PostBody(), sglang.Limits{MaxFieldBytes: int(s.conf().Limits.MaxFieldBytes)})
 	if ferr != nil {
 		s.refuse(ctx, rt, ferr)
 		return

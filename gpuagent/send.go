@@ -41,7 +41,7 @@ func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
 		writeEnvelope(w, http.StatusBadRequest, "encgate: reading the /send body: "+err.Error(), "")
 		return
 	}
-	req, ferr := sglang.ParseSend(body)
+	req, ferr := sglang.ParseSend(body, sglang.Limits{})
 	if ferr != nil {
 		if ferr.ReqID != "" {
 			a.store.releaseID(ferr.ReqID) // as sglang: any error inside /send releases

@@ -10,7 +10,7 @@ const goodSend = `{"req_id":"r_local_part_0","part_idx":0,"embedding_size":1024,
 
 func parsed(t testing.TB, body string) Send {
 	t.Helper()
-	s, err := sglang.ParseSend([]byte(body))
+	s, err := sglang.ParseSend([]byte(body), sglang.Limits{})
 	if err != nil {
 		t.Fatalf("%s: %v", body, err)
 	}
@@ -37,7 +37,7 @@ func TestNewSend(t *testing.T) {
 func TestNewSendCopiesTheBody(t *testing.T) {
 	body := []byte(goodSend)
 	s := parsed(t, string(body))
-	p, _ := sglang.ParseSend(body)
+	p, _ := sglang.ParseSend(body, sglang.Limits{})
 	k := NewSend(p).Key
 	for i := range body {
 		body[i] = 'x'

@@ -114,7 +114,7 @@ func fillRSS(b *testing.B, records, tp int) rssResult {
 			body = fmt.Appendf(body, `{"req_id":"%s_local_part_%d","part_idx":%d,"embedding_size":0,"embedding_len":0,"embedding_dim":0,`+
 				`"prefill_host":%q,"embedding_port":%d,"session_id":"%s:%d","buffer_address":%d,"receive_count":%d}`,
 				ridHex, part, part, host, port+r, host, 17000+r, 140000000000000+uint64(i)*1<<20, tp)
-			parsed, err := sglang.ParseSend(body)
+			parsed, err := sglang.ParseSend(body, sglang.Limits{})
 			if err != nil {
 				b.Fatalf("%s: %v", body, err)
 			}

@@ -42,6 +42,108 @@ func (e *FieldError) Error() string { return e.Message }
 // MissingReqID is the encoder's message for a missing or invalid req_id.
 const MissingReqID = "missing or invalid req_id"
 
+// Limits bound what a body's fields may hold.
+type Limits struct {
+	// MaxFieldBytes bounds each string field encgate keys by or routes on
+	// (req_id, prefill_host, session_id, receive_url), decoded; 0 means
+	// DefaultMaxFieldBytes. A part id is ~50 bytes, a host at most 255.
+	MaxFieldBytes int
+}
+
+// DefaultMaxFieldBytes is Limits.MaxFieldBytes when unset.
+const DefaultMaxFieldBytes = 512
+
+func (l Limits) maxField() int {
+	if l.MaxFieldBytes <= 0 {
+		return DefaultMaxFieldBytes
+	}
+	return l.MaxFieldBytes
+}
+
+// strictString decodes a JSON string as a strict decoder would: invalid
+// UTF-8 and lone surrogate escapes (\ud800 unpaired) are refused rather
+// than read as U+FFFD, so that two different texts can never become one
+// key, and a string longer than max bytes decoded is refused. Without
+// escapes the result is a view of raw (see Send).
+func strictString(raw []byte, max int) (s string, ok bool, tooLong bool) {
+	if len(raw) < 2 || raw[0] != '"' {
+		return "", false, false
+	}
+	inner := raw[1 : len(raw)-1]
+	if !utf8.Valid(inner) || !pairedSurrogates(inner) {
+		return "", false, false
+	}
+	if bytes.IndexByte(inner, '\\') < 0 {
+		if len(inner) > max {
+			return "", true, true
+		}
+		if len(inner) == 0 {
+			return "", true, false
+		}
+		return unsafe.String(&inner[0], len(inner)), true, false
+	}
+	if s, ok = jsonfield.String(raw); !ok {
+		return "", false, false
+	}
+	if len(s) > max {
+		return "", true, true
+	}
+	return s, true, false
+}
+
+// pairedSurrogates reports whether every \uD800-\uDFFF escape in a JSON
+// string's inner text is half of a high-low pair.
+func pairedSurrogates(inner []byte) bool {
+	for i := 0; i < len(inner); i++ {
+		if inner[i] != '\\' {
+			continue
+		}
+		i++
+		if i >= len(inner) || inner[i] != 'u' {
+			continue
+		}
+		c, ok := hex4(inner[i+1:])
+		if !ok {
+			return false
+		}
+		i += 4
+		switch {
+		case c >= 0xdc00 && c <= 0xdfff:
+			return false // a low half alone
+		case c >= 0xd800 && c <= 0xdbff:
+			if i+2 >= len(inner) || inner[i+1] != '\\' || inner[i+2] != 'u' {
+				return false
+			}
+			lo, ok := hex4(inner[i+3:])
+			if !ok || lo < 0xdc00 || lo > 0xdfff {
+				return false
+			}
+			i += 6
+		}
+	}
+	return true
+}
+
+func hex4(b []byte) (rune, bool) {
+	if len(b) < 4 {
+		return 0, false
+	}
+	var r rune
+	for _, c := range b[:4] {
+		switch {
+		case c >= '0' && c <= '9':
+			r = r<<4 | rune(c-'0')
+		case c >= 'a' && c <= 'f':
+			r = r<<4 | rune(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			r = r<<4 | rune(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return r, true
+}
+
 func notJSON(err error) *FieldError {
 	if errors.Is(err, jsonfield.ErrNotObject) {
 		return &FieldError{Message: "encgate: request body must be a JSON object"}
@@ -53,13 +155,34 @@ func needs(route, field, what, reqID string) *FieldError {
 	return &FieldError{Field: field, ReqID: reqID, Message: "encgate: " + route + " needs " + field + " (" + what + ")"}
 }
 
-// reqIDOf reads raw as a req_id: a non-empty JSON string.
-func reqIDOf(raw []byte) (string, *FieldError) {
-	id, ok := jsonfield.String(raw)
-	if !ok || id == "" {
+// reqIDOf reads raw as a req_id: a non-empty, strictly decoded JSON string
+// within the field limit. It is a copy the caller may keep.
+func reqIDOf(raw []byte, lim Limits) (string, *FieldError) {
+	id, ok, long := strictString(raw, lim.maxField())
+	switch {
+	case long:
+		return "", &FieldError{Field: "req_id", Message: tooLong("req_id", lim)}
+	case !ok || id == "":
 		return "", &FieldError{Field: "req_id", Message: MissingReqID}
 	}
-	return id, nil
+	return strings.Clone(id), nil
+}
+
+func tooLong(field string, lim Limits) string {
+	return "encgate: " + field + " is longer than limits.max_field_bytes (" + strconv.Itoa(lim.maxField()) + " bytes)"
+}
+
+// text reads a required non-empty string field of route's body strictly;
+// what names the form in the message.
+func text(raw []byte, lim Limits, route, field, what, reqID string) (string, *FieldError) {
+	v, ok, long := strictString(raw, lim.maxField())
+	switch {
+	case long:
+		return "", &FieldError{Field: field, ReqID: reqID, Message: tooLong(field, lim)}
+	case !ok || v == "":
+		return "", needs(route, field, what, reqID)
+	}
+	return v, nil
 }
 
 var encodeKeys = []string{"req_id", "modality", "mm_items", "num_parts", "part_idx", "hashes", "receive_count"}
@@ -68,12 +191,12 @@ var encodeKeys = []string{"req_id", "modality", "mm_items", "num_parts", "part_i
 // with its messages, so a NEW fleet sees the answer it would have given
 // and a GEN0 fleet, which validates nothing, gets it instead of a failure
 // deep inside a batch that reads as an encoder fault.
-func parseEncode(body []byte) (Request, *FieldError) {
+func parseEncode(body []byte, lim Limits) (Request, *FieldError) {
 	var raw [7][]byte
 	if err := jsonfield.Lookup(body, encodeKeys, raw[:]); err != nil {
 		return Request{}, notJSON(err)
 	}
-	id, ferr := reqIDOf(raw[0])
+	id, ferr := reqIDOf(raw[0], lim)
 	if ferr != nil {
 		return Request{}, ferr
 	}
@@ -139,12 +262,12 @@ func truthy(raw []byte) bool {
 var metadataKeys = []string{"req_id", "part_idx"}
 
 // parseMetadata: the encoder echoes request["part_idx"] (§1.2).
-func parseMetadata(body []byte) (Request, *FieldError) {
+func parseMetadata(body []byte, lim Limits) (Request, *FieldError) {
 	var raw [2][]byte
 	if err := jsonfield.Lookup(body, metadataKeys, raw[:]); err != nil {
 		return Request{}, notJSON(err)
 	}
-	id, ferr := reqIDOf(raw[0])
+	id, ferr := reqIDOf(raw[0], lim)
 	if ferr != nil {
 		return Request{}, ferr
 	}
@@ -161,17 +284,17 @@ const MaxReceiveCount = 1 << 20
 
 // parseReceiveURL: the encoder reads receive_count and receive_url with []
 // (§1.4) and connects a ZMQ PUSH socket to the URL.
-func parseReceiveURL(body []byte) (Request, *FieldError) {
+func parseReceiveURL(body []byte, lim Limits) (Request, *FieldError) {
 	var raw [3][]byte
 	if err := jsonfield.Lookup(body, receiveURLKeys, raw[:]); err != nil {
 		return Request{}, notJSON(err)
 	}
-	id, ferr := reqIDOf(raw[0])
+	id, ferr := reqIDOf(raw[0], lim)
 	if ferr != nil {
 		return Request{}, ferr
 	}
-	if u, ok := jsonfield.String(raw[1]); !ok || u == "" {
-		return Request{}, needs(PathReceiveURL, "receive_url", `a non-empty string such as "10.0.0.7:41003"`, id)
+	if _, ferr := text(raw[1], lim, PathReceiveURL, "receive_url", `a non-empty string such as "10.0.0.7:41003"`, id); ferr != nil {
+		return Request{}, ferr
 	}
 	if n, ok := jsonfield.Int(raw[2]); !ok || n < 1 || n > MaxReceiveCount {
 		return Request{}, needs(PathReceiveURL, "receive_count", "an integer in [1, "+strconv.Itoa(MaxReceiveCount)+"]", id)
@@ -179,8 +302,8 @@ func parseReceiveURL(body []byte) (Request, *FieldError) {
 	return Request{ReqID: id}, nil
 }
 
-func parseSendRoute(body []byte) (Request, *FieldError) {
-	s, err := ParseSend(body)
+func parseSendRoute(body []byte, lim Limits) (Request, *FieldError) {
+	s, err := ParseSend(body, lim)
 	if err != nil {
 		return Request{}, err
 	}
@@ -212,32 +335,36 @@ type Send struct {
 
 var sendKeys = []string{"req_id", "prefill_host", "embedding_port", "session_id", "buffer_address", "receive_count", "part_idx"}
 
-// ParseSend reads a /send body. It refuses what the encoder would fail on
+// ParseSend reads a /send body within lim. It refuses what the encoder would fail on
 // in a way that releases the whole request for the sibling ranks (sglang
 // reads prefill_host, embedding_port, session_id and buffer_address with
 // [], §1.3, and releases on any error inside /send, §4), and what could
 // not reach a receiver (a port outside 1-65535, an empty session).
-func ParseSend(body []byte) (Send, *FieldError) {
+func ParseSend(body []byte, lim Limits) (Send, *FieldError) {
 	var raw [7][]byte
 	if err := jsonfield.Lookup(body, sendKeys, raw[:]); err != nil {
 		return Send{}, notJSON(err)
 	}
 	var s Send
-	var ok bool
-	if s.ReqID, ok = stringView(raw[0]); !ok || s.ReqID == "" {
+	var ok, long bool
+	switch s.ReqID, ok, long = strictString(raw[0], lim.maxField()); {
+	case long:
+		return Send{}, &FieldError{Field: "req_id", Message: tooLong("req_id", lim)}
+	case !ok || s.ReqID == "":
 		return Send{}, &FieldError{Field: "req_id", Message: MissingReqID}
 	}
 	id := s.ReqID
-	if s.PrefillHost, ok = stringView(raw[1]); !ok || s.PrefillHost == "" {
-		return Send{}, needs(PathSend, "prefill_host", "a non-empty string", id)
+	var ferr *FieldError
+	if s.PrefillHost, ferr = text(raw[1], lim, PathSend, "prefill_host", "a non-empty string", id); ferr != nil {
+		return Send{}, ferr
 	}
 	port, ok := jsonfield.Int(raw[2])
 	if !ok || port < 1 || port > 65535 {
 		return Send{}, needs(PathSend, "embedding_port", "an integer in [1, 65535]", id)
 	}
 	s.EmbeddingPort = int(port)
-	if s.SessionID, ok = stringView(raw[3]); !ok || s.SessionID == "" {
-		return Send{}, needs(PathSend, "session_id", `a non-empty string "host:port"`, id)
+	if s.SessionID, ferr = text(raw[3], lim, PathSend, "session_id", `a non-empty string "host:port"`, id); ferr != nil {
+		return Send{}, ferr
 	}
 	if s.BufferAddress, ok = parseUint64(raw[4]); !ok {
 		return Send{}, needs(PathSend, "buffer_address", "an integer in [0, 2^64)", id)
@@ -262,22 +389,6 @@ func ParseSend(body []byte) (Send, *FieldError) {
 // Dest is the destination sglang counts for the refcount,
 // "prefill_host:embedding_port".
 func (s Send) Dest() string { return s.PrefillHost + ":" + strconv.Itoa(s.EmbeddingPort) }
-
-// stringView decodes a JSON string; without escapes and with valid UTF-8
-// (the common case) it returns a view of raw without copying. Both paths
-// give the same string for the same text, so keys built from them agree.
-func stringView(raw []byte) (string, bool) {
-	if len(raw) >= 2 && raw[0] == '"' {
-		inner := raw[1 : len(raw)-1]
-		if bytes.IndexByte(inner, '\\') < 0 && utf8.Valid(inner) {
-			if len(inner) == 0 {
-				return "", true
-			}
-			return unsafe.String(&inner[0], len(inner)), true
-		}
-	}
-	return jsonfield.String(raw)
-}
 
 // parseUint64 parses raw JSON integer text in [0, 2^64).
 func parseUint64(raw []byte) (uint64, bool) {

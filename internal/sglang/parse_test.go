@@ -6,8 +6,11 @@ import (
 	"errors"
 	"math/big"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/encgate/encgate/internal/jsonfield"
 )
@@ -15,7 +18,7 @@ import (
 const goodSend = `{"req_id":"r_local_part_0","part_idx":0,"embedding_size":1024,"prefill_host":"10.0.0.1","embedding_port":40001,"session_id":"10.0.0.1:17000","buffer_address":18446744073709551615,"receive_count":4}`
 
 func TestParseSend(t *testing.T) {
-	s, err := ParseSend([]byte(goodSend))
+	s, err := ParseSend([]byte(goodSend), Limits{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,7 +27,7 @@ func TestParseSend(t *testing.T) {
 	if s != want || s.Dest() != "10.0.0.1:40001" {
 		t.Fatalf("parsed %+v", s)
 	}
-	if s, err := ParseSend([]byte(`{"req_id":"r","part_idx":null,"prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":0,"receive_count":null}`)); err != nil ||
+	if s, err := ParseSend([]byte(`{"req_id":"r","part_idx":null,"prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":0,"receive_count":null}`), Limits{}); err != nil ||
 		s.HasPartIdx || s.ReceiveCount != 0 {
 		t.Fatalf("nulls: %+v %v", s, err)
 	}
@@ -50,7 +53,7 @@ func TestParseSend(t *testing.T) {
 		{`{"req_id":"r","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1,"receive_count":1048577}`, "receive_count", "receive_count", "r"},
 		{`{"req_id":"r","part_idx":"0","prefill_host":"h","embedding_port":1,"session_id":"h:1","buffer_address":1}`, "part_idx", "part_idx", "r"},
 	} {
-		_, err := ParseSend([]byte(tc.body))
+		_, err := ParseSend([]byte(tc.body), Limits{})
 		if err == nil || err.Field != tc.field || !strings.Contains(err.Message, tc.msg) || err.ReqID != tc.id {
 			t.Errorf("ParseSend(%s) = %+v; want field %q, message with %q, req_id %q", tc.body, err, tc.field, tc.msg, tc.id)
 		}
@@ -58,17 +61,50 @@ func TestParseSend(t *testing.T) {
 }
 
 // The same text gives the same strings whether or not it needed decoding,
-// so that keys built from either agree.
-func TestParseSendDecodesEscapesAndInvalidUTF8Alike(t *testing.T) {
-	plain, _ := ParseSend([]byte(`{"req_id":"ab","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`))
-	escaped, _ := ParseSend([]byte(`{"req_id":"a\u0062","prefill_host":"\u0068","embedding_port":1,"session_id":"\u0073","buffer_address":1}`))
+// so that keys built from either agree; text a strict decoder refuses
+// (invalid UTF-8, a lone surrogate) is refused, never read as U+FFFD, so
+// that two different ids can never become one; and a string over the
+// field limit is refused.
+func TestParseSendStrings(t *testing.T) {
+	plain, _ := ParseSend([]byte(`{"req_id":"ab","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`), Limits{})
+	escaped, _ := ParseSend([]byte(`{"req_id":"a\u0062","prefill_host":"\u0068","embedding_port":1,"session_id":"\u0073","buffer_address":1}`), Limits{})
 	if plain != escaped {
 		t.Fatalf("%+v != %+v", plain, escaped)
 	}
-	bad, err := ParseSend([]byte("{\"req_id\":\"a\xff\",\"prefill_host\":\"h\",\"embedding_port\":1,\"session_id\":\"s\",\"buffer_address\":1}"))
-	replaced, _ := ParseSend([]byte(`{"req_id":"a\ufffd","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`))
-	if err != nil || bad.ReqID != replaced.ReqID {
-		t.Fatalf("invalid UTF-8 reads %q, U+FFFD reads %q (%v)", bad.ReqID, replaced.ReqID, err)
+	pair, err := ParseSend([]byte(`{"req_id":"\ud83d\ude00","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`), Limits{})
+	if err != nil || pair.ReqID != "\U0001F600" {
+		t.Fatalf("a surrogate pair: %q %v", pair.ReqID, err)
+	}
+	send := func(id, host string) string {
+		return `{"req_id":"` + id + `","prefill_host":"` + host + `","embedding_port":1,"session_id":"s","buffer_address":1}`
+	}
+	for _, tc := range []struct{ body, field string }{
+		{send("a\xff", "h"), "req_id"},
+		{send("a\xed\xa0\x80", "h"), "req_id"}, // a surrogate in UTF-8
+		{send(`a\ud800`, "h"), "req_id"},
+		{send(`a\udc00b`, "h"), "req_id"},
+		{send(`\ud800\u0041`, "h"), "req_id"},
+		{send("r", "h\xc3"), "prefill_host"},
+		{send("r", `\udfff`), "prefill_host"},
+		{send(strings.Repeat("x", DefaultMaxFieldBytes+1), "h"), "req_id"},
+		{send("r", strings.Repeat("h", DefaultMaxFieldBytes+1)), "prefill_host"},
+		{send("r", strings.Repeat(`\u0068`, DefaultMaxFieldBytes+1)), "prefill_host"}, // long decoded
+	} {
+		if _, err := ParseSend([]byte(tc.body), Limits{}); err == nil || err.Field != tc.field {
+			t.Errorf("%.80q: %+v, want refused at %s", tc.body, err, tc.field)
+		}
+	}
+	if _, err := ParseSend([]byte(send(strings.Repeat("x", DefaultMaxFieldBytes), "h")), Limits{}); err != nil {
+		t.Errorf("a req_id of exactly the limit: %v", err)
+	}
+	if _, err := ParseSend([]byte(send(strings.Repeat("x", 65), "h")), Limits{MaxFieldBytes: 64}); err == nil || !strings.Contains(err.Message, "limits.max_field_bytes (64 bytes)") {
+		t.Errorf("a configured limit: %v", err)
+	}
+	// The other routes read req_id the same way.
+	for _, rt := range []*Route{RouteEncode, RouteMetadata, RouteReceiveURL} {
+		if _, err := rt.Parse([]byte(`{"req_id":"a\ud800","part_idx":0}`), Limits{}); err == nil || err.Field != "req_id" {
+			t.Errorf("%s: a lone surrogate in req_id: %+v", rt.Path, err)
+		}
 	}
 }
 
@@ -93,7 +129,7 @@ func TestParseFollowUps(t *testing.T) {
 		{RouteReceiveURL, `{"req_id":"r","receive_url":"h:1","receive_count":"2"}`, "receive_count", "receive_count"},
 		{RouteReceiveURL, `{"req_id":"r","receive_url":"h:1","receive_count":null}`, "receive_count", "receive_count"},
 	} {
-		req, err := tc.route.Parse([]byte(tc.body))
+		req, err := tc.route.Parse([]byte(tc.body), Limits{})
 		switch {
 		case tc.field == "" && (err != nil || req.ReqID != "r"):
 			t.Errorf("%s %s: %+v %v", tc.route.Path, tc.body, req, err)
@@ -109,11 +145,11 @@ func TestParseFollowUps(t *testing.T) {
 // messages.
 func TestParseEncode(t *testing.T) {
 	const ok = `{"req_id":"r","modality":"image","mm_items":["x"],"num_parts":2,"part_idx":1}`
-	if req, err := RouteEncode.Parse([]byte(ok)); err != nil || req.ReqID != "r" || req.Rank {
+	if req, err := RouteEncode.Parse([]byte(ok), Limits{}); err != nil || req.ReqID != "r" || req.Rank {
 		t.Fatalf("%+v %v", req, err)
 	}
 	rank := `{"req_id":"r","modality":"IMAGE","mm_items":["x"],"num_parts":1,"part_idx":0,"receive_count":6,"embedding_port":4000}`
-	if req, err := RouteEncode.Parse([]byte(rank)); err != nil || !req.Rank {
+	if req, err := RouteEncode.Parse([]byte(rank), Limits{}); err != nil || !req.Rank {
 		t.Fatalf("GEN0 rank: %+v %v", req, err)
 	}
 	for _, tc := range []struct{ body, field, msg string }{
@@ -132,18 +168,18 @@ func TestParseEncode(t *testing.T) {
 		{`{"req_id":"r","modality":"IMAGE","mm_items":["x"],"num_parts":1,"part_idx":0,"hashes":{"a":1}}`, "hashes", "hashes must be list/scalar, got dict"},
 		{`{"req_id":"r","modality":"IMAGE","mm_items":["x"],"num_parts":1,"part_idx":0,"hashes":1.5}`, "hashes", "hashes must be list/scalar, got float"},
 	} {
-		_, err := RouteEncode.Parse([]byte(tc.body))
+		_, err := RouteEncode.Parse([]byte(tc.body), Limits{})
 		if err == nil || err.Field != tc.field || err.Message != tc.msg {
 			t.Errorf("%s: %+v; want %s: %q", tc.body, err, tc.field, tc.msg)
 		}
 	}
 	// Python integers have no size limit.
 	big := `{"req_id":"r","modality":"IMAGE","mm_items":["x"],"num_parts":100000000000000000000000,"part_idx":99999999999999999999999}`
-	if _, err := RouteEncode.Parse([]byte(big)); err != nil {
+	if _, err := RouteEncode.Parse([]byte(big), Limits{}); err != nil {
 		t.Errorf("big integers: %v", err)
 	}
 	bigOut := `{"req_id":"r","modality":"IMAGE","mm_items":["x"],"num_parts":100000000000000000000000,"part_idx":100000000000000000000000}`
-	if _, err := RouteEncode.Parse([]byte(bigOut)); err == nil || err.Message != "part_idx must be in [0, 100000000000000000000000)" {
+	if _, err := RouteEncode.Parse([]byte(bigOut), Limits{}); err == nil || err.Message != "part_idx must be in [0, 100000000000000000000000)" {
 		t.Errorf("big integers out of range: %v", err)
 	}
 }
@@ -164,6 +200,47 @@ func TestLookupAndLabels(t *testing.T) {
 
 var jsonIntRE = regexp.MustCompile(`^-?(0|[1-9][0-9]*)$`)
 
+// strictRef reports whether a strict JSON decoder takes the string token
+// raw: valid UTF-8, and every \u escape of a UTF-16 surrogate half of a
+// pair (checked with unicode/utf16).
+func strictRef(raw []byte) bool {
+	if !utf8.Valid(raw) {
+		return false
+	}
+	var units []uint16 // the run of \u escapes being read
+	flush := func() bool {
+		for i := 0; i < len(units); i++ {
+			if !utf16.IsSurrogate(rune(units[i])) {
+				continue
+			}
+			if i+1 >= len(units) || utf16.DecodeRune(rune(units[i]), rune(units[i+1])) == utf8.RuneError {
+				return false
+			}
+			i++
+		}
+		units = units[:0]
+		return true
+	}
+	for i := 0; i < len(raw); i++ {
+		if raw[i] == '\\' && i+1 < len(raw) && raw[i+1] == 'u' && i+5 < len(raw) {
+			n, err := strconv.ParseUint(string(raw[i+2:i+6]), 16, 16)
+			if err != nil {
+				return false
+			}
+			units = append(units, uint16(n))
+			i += 5
+			continue
+		}
+		if !flush() {
+			return false
+		}
+		if raw[i] == '\\' {
+			i++ // an escaped character: not the start of \u
+		}
+	}
+	return flush()
+}
+
 // refParseSend is ParseSend written with encoding/json, check by check in
 // the same order: the reference FuzzParseSendAgainstJSON compares with.
 func refParseSend(body []byte) (Send, string, error) {
@@ -173,7 +250,8 @@ func refParseSend(body []byte) (Send, string, error) {
 	}
 	str := func(k string) (string, bool) {
 		var s string
-		return s, bytes.HasPrefix(m[k], []byte(`"`)) && json.Unmarshal(m[k], &s) == nil && s != ""
+		return s, bytes.HasPrefix(m[k], []byte(`"`)) && strictRef(m[k]) && json.Unmarshal(m[k], &s) == nil &&
+			s != "" && len(s) <= DefaultMaxFieldBytes
 	}
 	intIn := func(k string, lo, hi *big.Int) (*big.Int, bool) {
 		n, ok := new(big.Int).SetString(string(m[k]), 10)
@@ -219,9 +297,10 @@ func refParseSend(body []byte) (Send, string, error) {
 }
 
 // FuzzParseSendAgainstJSON checks the one /send parser (the gateway's and
-// the agent's) against encoding/json: the same verdict, the same first
-// offending field, and the same values (strings as encoding/json decodes
-// them, invalid UTF-8 as U+FFFD; buffer_address to the last digit).
+// the agent's) against encoding/json with a strict string check
+// (strictRef): the same verdict, the same first offending field, and the
+// same values (strings as encoding/json decodes them; buffer_address to the
+// last digit).
 func FuzzParseSendAgainstJSON(f *testing.F) {
 	for _, s := range []string{
 		goodSend,
@@ -234,6 +313,9 @@ func FuzzParseSendAgainstJSON(f *testing.F) {
 		"{\"req_id\":\"\xff\",\"prefill_host\":\"h\",\"embedding_port\":1,\"session_id\":\"s\",\"buffer_address\":1}",
 		`{"req_id":"r","req_id":"s","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`,
 		`{"req_id":""}`, `[]`, `{`,
+		`{"req_id":"\ud800","prefill_host":"h","embedding_port":1,"session_id":"s","buffer_address":1}`,
+		`{"req_id":"\ud83d\ude00\\u","prefill_host":"\udfff","embedding_port":1,"session_id":"s","buffer_address":1}`,
+		`{"req_id":"r","prefill_host":"` + strings.Repeat("h", DefaultMaxFieldBytes+1) + `","embedding_port":1,"session_id":"s","buffer_address":1}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -245,19 +327,19 @@ func FuzzParseSendAgainstJSON(f *testing.F) {
 		if errors.Is(jsonfield.Lookup(body, []string{"x"}, probe[:]), jsonfield.ErrTooDeep) {
 			return // nested beyond jsonfield.MaxDepth: encoding/json allows more on purpose
 		}
-		s, err := ParseSend(body)
+		s, err := ParseSend(body, Limits{})
 		want, field, werr := refParseSend(body)
 		if (err == nil) != (werr == nil) {
-			t.Fatalf("ParseSend(%s) = %+v, %v; encoding/json says %v", body, s, err, werr)
+			t.Fatalf("ParseSend(%s, Limits{}) = %+v, %v; encoding/json says %v", body, s, err, werr)
 		}
 		if err != nil {
 			if field != "" && err.Field != field {
-				t.Fatalf("ParseSend(%s) refuses %q, encoding/json %q", body, err.Field, field)
+				t.Fatalf("ParseSend(%s, Limits{}) refuses %q, encoding/json %q", body, err.Field, field)
 			}
 			return
 		}
 		if s != want {
-			t.Fatalf("ParseSend(%s) = %+v; encoding/json reads %+v", body, s, want)
+			t.Fatalf("ParseSend(%s, Limits{}) = %+v; encoding/json reads %+v", body, s, want)
 		}
 	})
 }

@@ -48,16 +48,17 @@ type Route struct {
 	// wrong type, before anything is forwarded.
 	Needs []string
 
-	parse func(body []byte) (Request, *FieldError)
+	parse func(body []byte, lim Limits) (Request, *FieldError)
 }
 
-// Parse reads and validates a request body for r. A *FieldError names the
-// problem; the caller answers it 400 and forwards nothing.
-func (r *Route) Parse(body []byte) (Request, *FieldError) {
+// Parse reads and validates a request body for r within lim. A
+// *FieldError names the problem; the caller answers it 400 and forwards
+// nothing.
+func (r *Route) Parse(body []byte, lim Limits) (Request, *FieldError) {
 	if r.parse == nil {
 		return Request{}, nil
 	}
-	return r.parse(body)
+	return r.parse(body, lim)
 }
 
 // Paths of the routes the encoder serves (§1).
