@@ -1,12 +1,9 @@
 package gateway
 
 import (
-	"bufio"
-	"errors"
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,58 +13,6 @@ import (
 
 	"github.com/encgate/encgate/internal/sglang"
 )
-
-// readConfig gives a request's body limits.read_timeout from the end of its
-// headers (fasthttp's HeaderReceived hook); a request without a body keeps
-// the header deadline, which no read meets any more.
-func (s *Server) readConfig(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
-	if h.ContentLength() == 0 {
-		return fasthttp.RequestConfig{}
-	}
-	return fasthttp.RequestConfig{ReadTimeout: s.conf().Limits.ReadTimeout.D()}
-}
-
-// handleReadError answers a request fasthttp could not read: headers over
-// limits.max_header_bytes get 431, a read past its deadline 408, each
-// naming the limit; everything else goes to handleProtocolError. The
-// answer is then sent at once and the connection closed gently
-// (answerAndLinger).
-func (s *Server) handleReadError(ctx *fasthttp.RequestCtx, err error) {
-	var small *fasthttp.ErrSmallBuffer
-	switch {
-	case errors.As(err, &small):
-		writeEnvelope(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge,
-			"encgate: request line and headers exceed limits.max_header_bytes ("+s.conf().Limits.MaxHeaderBytes.String()+")", nil)
-		s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
-	case isReadTimeout(err):
-		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time (limits.read_header_timeout "+
-			s.conf().Limits.ReadHeaderTimeout.String()+" for the headers, limits.read_timeout "+s.conf().Limits.ReadTimeout.String()+" for the body)", nil)
-		s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
-	default:
-		s.handleProtocolError(ctx, err)
-	}
-	s.answerAndLinger(ctx)
-}
-
-// answerAndLinger sends the error answer in ctx now, half-closes the
-// connection and discards what the client still sends for a moment (up to
-// lingerTimeout and lingerBytes), as net/http does after an answer it cut
-// short. fasthttp would write the answer and close at once, and closing a
-// socket with unread input resets the connection: a client still sending
-// an oversized body or header would then see the reset instead of the 413
-// or 431. fasthttp's own write of the answer afterwards meets the
-// half-closed socket and is dropped (it ignores that error); its close is
-// then clean.
-func (s *Server) answerAndLinger(ctx *fasthttp.RequestCtx) {
-	c := ctx.Conn()
-	ctx.SetConnectionClose()
-	_ = c.SetWriteDeadline(time.Now().Add(s.conf().Limits.WriteTimeout.D()))
-	bw := bufio.NewWriterSize(c, 512)
-	if ctx.Response.Write(bw) != nil || bw.Flush() != nil {
-		return
-	}
-	lingerClose(c, false)
-}
 
 // connLimiter bounds the encoder-facing listener at limits.max_conns open
 // connections. It returns accepted connections unwrapped, and fasthttp's
@@ -171,9 +116,3 @@ func lingerClose(c net.Conn, close bool) {
 
 // wait returns once every refused connection is closed.
 func (l *connLimiter) wait() { l.wg.Wait() }
-
-// isReadTimeout reports whether reading a request failed on its deadline.
-func isReadTimeout(err error) bool {
-	var ne net.Error
-	return errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, os.ErrDeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout())
-}

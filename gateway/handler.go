@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"bytes"
-	"errors"
 	"sort"
 	"strconv"
 	"time"
@@ -158,18 +157,4 @@ func (s *Server) serveBroadcast(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	ctx.SetStatusCode(status)
 	ctx.SetContentType("text/plain; charset=utf-8")
 	ctx.SetBody(body.Bytes())
-}
-
-// handleProtocolError answers requests fasthttp could not read, in the
-// encoder's envelope.
-func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		writeEnvelope(ctx, fasthttp.StatusRequestEntityTooLarge,
-			"encgate: request body exceeds limits.max_body_bytes ("+s.conf().Limits.MaxBodyBytes.String()+")", nil)
-	} else if isReadTimeout(err) {
-		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time", nil)
-	} else {
-		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+err.Error(), nil)
-	}
-	s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
 }
