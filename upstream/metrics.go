@@ -8,8 +8,12 @@ import (
 	"github.com/encgate/encgate/internal/sglang"
 )
 
-// poolMetrics are the per-encoder breaker and health series. Every
-// configured encoder has them from the start; a removed encoder's go away.
+// poolMetrics are the per-encoder breaker, health and exchange series. Every
+// configured encoder has them from the start; a removed encoder's go away
+// (forget), and nothing of an Encoder object is kept here: series and the
+// hot map are keyed by the encoder's name, so a reload that rebuilds an
+// encoder under the same name reuses them, and the retired object (with
+// its HTTP clients) can be collected.
 type poolMetrics struct {
 	state       *prometheus.GaugeVec   // encoder
 	transitions *prometheus.CounterVec // encoder, from, to
@@ -22,12 +26,26 @@ type poolMetrics struct {
 	budgetExhausted *prometheus.CounterVec // route
 	backoff         prometheus.Histogram
 
-	hot sync.Map // hotKey -> requests{encoder, route, code="200"}
+	// hot caches requests{encoder, route, code="200"} by hotKey, so the
+	// common answer skips the vector's label hashing. Bounded by the
+	// configured names times the routes; forget drops a name's entries.
+	hot sync.Map // hotKey -> prometheus.Counter
+
+	// mu orders forget against the creation of series: forget holds it
+	// while it marks an encoder forgotten and deletes its series, and
+	// whatever creates a series for an encoder holds it for reading and
+	// first checks the mark. An exchange still in flight on a removed
+	// encoder, or its breaker's last transition, then cannot bring the
+	// removed name's series back after forget deleted them.
+	mu sync.RWMutex
 }
 
+// hotKey is an encoder's name and a route: never the *Encoder, which a
+// reload replaces (a changed breaker, health or upstream section rebuilds
+// every encoder under its old name).
 type hotKey struct {
-	enc   *Encoder
-	route *sglang.Route
+	encoder string
+	route   *sglang.Route
 }
 
 // Reasons for encgate_upstream_refused_total: the gateway's own limits that
@@ -95,35 +113,53 @@ func (m *poolMetrics) outcomeCounters(name string) (c [4]prometheus.Counter) {
 
 // exchanged counts one exchange with t's encoder by its verdict.
 func (m *poolMetrics) exchanged(t target, rt *sglang.Route, v *Verdict) {
-	if c := t.enc.outcomes[v.Breaker]; c != nil {
-		c.Inc()
+	e := t.enc
+	if c := e.outcomes[v.Breaker]; c != nil {
+		c.Inc() // after forget, a child no longer in the vector: counted nowhere
 	}
 	if v.Label == "" {
 		return
 	}
-	if v.Kind == KindBreakerBusy {
-		m.refused.WithLabelValues(t.enc.Name, RefusedBreaker).Inc()
-	}
-	if v.Kind == KindAnswered && v.Status == 200 {
-		// Encoders removed by a reload leave an entry here until restart:
-		// bounded by the names ever configured.
-		k := hotKey{t.enc, rt}
-		c, ok := m.hot.Load(k)
-		if !ok {
-			c, _ = m.hot.LoadOrStore(k, m.requests.WithLabelValues(t.enc.Name, rt.Label, v.Label))
+	hot := v.Kind == KindAnswered && v.Status == 200
+	if hot && !e.forgotten.Load() {
+		// Found: a live series, or one forget deleted a moment ago (then
+		// the increment is lost with the series, as it should be). A
+		// forgotten e never counts into a later encoder of its name.
+		if c, ok := m.hot.Load(hotKey{e.Name, rt}); ok {
+			c.(prometheus.Counter).Inc()
+			return
 		}
-		c.(prometheus.Counter).Inc()
-		return
 	}
-	m.requests.WithLabelValues(t.enc.Name, rt.Label, v.Label).Inc()
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if e.forgotten.Load() {
+		return // the encoder was removed and its series with it
+	}
+	if v.Kind == KindBreakerBusy {
+		m.refused.WithLabelValues(e.Name, RefusedBreaker).Inc()
+	}
+	c := m.requests.WithLabelValues(e.Name, rt.Label, v.Label)
+	if hot {
+		m.hot.Store(hotKey{e.Name, rt}, c) // the vector returns the same child to every caller
+	}
+	c.Inc()
 }
 
+// track sets e's state series; e is new to the pool.
 func (m *poolMetrics) track(e *Encoder) {
-	m.state.WithLabelValues(e.Name).Set(float64(e.Breaker.State()))
+	// Read the states before taking mu: Breaker.State may move an expired
+	// open breaker to half-open, whose onChange (breakerChanged) takes mu.
+	state := float64(e.Breaker.State())
 	up := 0.0
 	if e.Health.Up() {
 		up = 1
 	}
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if e.forgotten.Load() {
+		return
+	}
+	m.state.WithLabelValues(e.Name).Set(state)
 	m.healthy.WithLabelValues(e.Name).Set(up)
 }
 
@@ -132,23 +168,51 @@ func (m *poolMetrics) refusals(name string) (inflight, conns prometheus.Counter)
 	return m.refused.WithLabelValues(name, RefusedMaxInflight), m.refused.WithLabelValues(name, RefusedMaxConns)
 }
 
-func (m *poolMetrics) forget(name string) {
+// forget deletes every series of e's name and its hot entries, for an
+// encoder whose name the fleet no longer has. e is marked first, under mu,
+// so that nothing counted for it later creates them again; counters e
+// itself holds (outcomes, refusals) are out of the vectors from here on,
+// and go when e does.
+func (m *poolMetrics) forget(e *Encoder) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e.forgotten.Store(true)
+	name := e.Name
 	m.state.DeleteLabelValues(name)
 	m.healthy.DeleteLabelValues(name)
 	m.refused.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.outcomes.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.transitions.DeletePartialMatch(prometheus.Labels{"encoder": name})
+	m.requests.DeletePartialMatch(prometheus.Labels{"encoder": name})
+	m.hot.Range(func(k, _ any) bool {
+		if k.(hotKey).encoder == name {
+			m.hot.Delete(k)
+		}
+		return true
+	})
 }
 
-func (m *poolMetrics) breakerChanged(name string, from, to BreakerState) {
-	m.state.WithLabelValues(name).Set(float64(to))
-	m.transitions.WithLabelValues(name, from.String(), to.String()).Inc()
+// breakerChanged records a transition of e's breaker. It runs under
+// gobreaker's lock (see NewBreaker), so it only takes mu for reading.
+func (m *poolMetrics) breakerChanged(e *Encoder, from, to BreakerState) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if e.forgotten.Load() {
+		return
+	}
+	m.state.WithLabelValues(e.Name).Set(float64(to))
+	m.transitions.WithLabelValues(e.Name, from.String(), to.String()).Inc()
 }
 
-func (m *poolMetrics) healthChanged(name string, up bool) {
+func (m *poolMetrics) healthChanged(e *Encoder, up bool) {
 	v := 0.0
 	if up {
 		v = 1
 	}
-	m.healthy.WithLabelValues(name).Set(v)
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if e.forgotten.Load() {
+		return
+	}
+	m.healthy.WithLabelValues(e.Name).Set(v)
 }

@@ -58,6 +58,9 @@ type Encoder struct {
 	maxInflight     *atomic.Int64
 	refusedInflight prometheus.Counter // nil outside a pool
 	refusedConns    prometheus.Counter
+	// forgotten: the encoder left the fleet and poolMetrics.forget deleted
+	// its name's series; nothing counted for it may create them again.
+	forgotten atomic.Bool
 }
 
 // ID identifies e's name and URL; pins record it (PinTable.Set).
@@ -331,7 +334,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
 	e.outcomes = p.m.outcomeCounters(ec.Name)
 	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
-	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.breakerChanged)
+	e.Breaker = NewBreaker(ec.Name, set.Breaker, func(_ string, from, to BreakerState) { p.breakerChanged(e, from, to) })
 	// Probes get their own small pool: an encoder whose traffic connections
 	// are all busy must not fail its health check for want of one.
 	probeClient := newClient(ec.Name, u, ClientConfig{ConnectTimeout: set.Client.ConnectTimeout,
@@ -396,14 +399,14 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 	}
 }
 
-func (p *Pool) breakerChanged(name string, from, to BreakerState) {
-	p.m.breakerChanged(name, from, to)
-	p.log.Info("breaker state changed", zap.String("encoder", name),
+func (p *Pool) breakerChanged(e *Encoder, from, to BreakerState) {
+	p.m.breakerChanged(e, from, to)
+	p.log.Info("breaker state changed", zap.String("encoder", e.Name),
 		zap.String("from", from.String()), zap.String("to", to.String()))
 }
 
 func (p *Pool) healthChanged(e *Encoder, up bool) {
-	p.m.healthChanged(e.Name, up)
+	p.m.healthChanged(e, up)
 	s := e.Health.Snapshot()
 	if up {
 		p.log.Info("encoder is up (active health)", zap.String("encoder", e.Name))
@@ -481,8 +484,10 @@ func (p *Pool) lookupPinned(pin Pin) (*Encoder, bool) {
 // their connections, breaker, health and pins; new ones start; removed ones
 // (and names moved to another URL, whose staged state stays behind) stop
 // their health loop and close idle connections, while requests in flight on
-// them finish. A changed breaker or health config rebuilds those
-// for every encoder (their state starts afresh).
+// them finish. A changed breaker, health or upstream (client) config
+// rebuilds every encoder under its name (connections, breaker and health
+// start afresh). A removed name's metric series are deleted; nothing else of
+// a retired encoder is kept, so it and its HTTP clients are collected.
 func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
@@ -524,9 +529,14 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	p.maxInflight.Store(int64(set.MaxInflight))
 	p.fleet.Store(next)
 	p.stopAll(retired)
+	// A retired encoder whose name stays (rebuilt, or moved to another URL)
+	// keeps its name's series for its successor; a removed name's go. From
+	// here nothing of the pool refers to a retired Encoder (the metrics are
+	// keyed by name), so it and its HTTP clients are collected once the
+	// requests still in flight on it finish.
 	for _, e := range retired {
 		if _, stays := next.byName[e.Name]; !stays {
-			p.m.forget(e.Name)
+			p.m.forget(e)
 		}
 	}
 	// Pins of a moved name now fail fast with "no longer configured"

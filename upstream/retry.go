@@ -180,8 +180,31 @@ func DefaultRetry() RetryConfig {
 			MaxBackoff:     retryDur(1 * time.Second),
 			Multiplier:     2,
 			Jitter:         Jitter{Mode: JitterFull},
-			PerTryTimeout:  retryDur(1800 * time.Second),
-			Deadline:       retryDur(1800 * time.Second),
+			// A healthy encoder answers every /encode within its own two
+			// bounds (protocol reference §1.1, §7): the batch watchdog,
+			// SGLANG_ENCODER_REQ_TIMEOUT (180s, then 504 "encoder batch
+			// timed out"; a DP rank's future has the same 180s), and for
+			// zmq_to_scheduler, after the encode, the wait for the
+			// receivers' registrations, SGLANG_ENCODER_SEND_TIMEOUT (180s,
+			// then it still answers 200). 40s above those 360s covers what
+			// neither bound counts (loading media, the queue before a batch,
+			// the answer on the wire), so no healthy /encode is cut, while
+			// an encoder that stopped answering (SIGSTOP, a wedged process,
+			// a link that keeps the socket open) holds an /encode 400s and
+			// no longer: the try ends in a 504 that counts against its
+			// breaker. The earlier 1800s was the receiver's whole budget for
+			// the call (SGLANG_ENCODER_HTTP_TIMEOUT): a stopped encoder held
+			// every /encode sent to it for 30 minutes, and the receiver gave
+			// up at the moment the gateway would have answered.
+			PerTryTimeout: retryDur(400 * time.Second),
+			// Retries follow only outcomes where nothing was sent (a failed
+			// connect, a full in-flight limit or breaker, "All encoder DP
+			// workers are dead."), which come early: 20s over one try
+			// leaves the last attempt a whole try after two connect
+			// timeouts (upstream.connect_timeout, 5s) and their backoffs
+			// (max_backoff, 1s). Far below the receiver's 1800s, so the
+			// gateway's answer, not the receiver's timeout, ends the call.
+			Deadline: retryDur(420 * time.Second),
 			RetryOn: []Condition{
 				{Kind: OnConnectFailure},
 				{Kind: OnStatus, Status: 503, BodyContains: sglang.DPWorkersDead},
