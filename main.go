@@ -9,6 +9,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -105,7 +106,14 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if *check {
-		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n", *path, len(cfg.Encoders))
+		// What the config can hold open, against this machine's
+		// RLIMIT_NOFILE (without raising it: the gateway does at start).
+		fds, err := gateway.Descriptors(cfg, nil, false)
+		if err != nil {
+			printProblems(stderr, *path, err)
+			return 2
+		}
+		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n%s\n", *path, len(cfg.Encoders), fds)
 		return 0
 	}
 	log, level, err := newLogger(cfg.Log.Level)
@@ -119,6 +127,9 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
 	if err != nil {
 		log.Error("building gateway", zap.Error(err))
+		if _, ok := errors.AsType[*gateway.DescriptorError](err); ok {
+			return 2 // the config cannot fit RLIMIT_NOFILE: a config error
+		}
 		return 1
 	}
 	if err := srv.Start(); err != nil {

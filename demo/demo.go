@@ -256,6 +256,11 @@ func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry
 	for i, e := range f.encs {
 		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL(), Agent: nd.agentURL(i)})
 	}
+	// A local fleet needs few descriptors: the defaults (10,000 client
+	// connections, 1,024 per encoder and agent) would ask RLIMIT_NOFILE for
+	// ~16,000, more than many laptops' hard limit.
+	cfg.Limits.MaxConns = 1024
+	cfg.Upstream.MaxConnsPerEncoder = 256
 	cfg.Breaker.ConsecutiveFailures = 3
 	cfg.Breaker.OpenTimeout = configfile.Duration(300 * time.Millisecond)
 	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})

@@ -19,7 +19,7 @@ import (
 // Config is the gateway's YAML file. DefaultConfig holds every default.
 // Each section says whether a reload applies it (reload:"live") or it
 // needs a restart (reload:"restart"); an untagged struct says so field by
-// field (Limits).
+// field (Limits, Admin).
 type Config struct {
 	// Listen is the encoder-facing address (default 127.0.0.1:8080).
 	Listen string `yaml:"listen" reload:"restart"`
@@ -44,8 +44,8 @@ type Config struct {
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
 	Shutdown ShutdownConfig `yaml:"shutdown" reload:"restart"`
-	// Admin protects the admin listener.
-	Admin AdminConfig `yaml:"admin" reload:"live"`
+	// Admin protects and bounds the admin listener.
+	Admin AdminConfig `yaml:"admin"`
 	// Log controls the zap logger.
 	Log configfile.Log `yaml:"log" reload:"live"`
 }
@@ -61,14 +61,37 @@ type ShutdownConfig struct {
 	Delay configfile.Duration `yaml:"delay"`
 }
 
-// AdminConfig protects the admin listener.
+// AdminConfig protects and bounds the admin listener. Only Token changes
+// on a reload; the bounds need a restart, as the listeners' do.
 type AdminConfig struct {
 	// Token, when set, is required as "Authorization: Bearer <token>" on
 	// /admin/... and /debug/pprof/...; /healthz, /readyz and /metrics stay
 	// open. At least 16 characters of RFC 6750's token alphabet. Default
 	// empty: no token. A reload applies a new token at once.
-	Token string `yaml:"token"`
+	Token string `yaml:"token" reload:"live"`
+	// MaxConns bounds open connections to the admin listener (default 64;
+	// 1 to 65536): a few scrapers, the probes and an operator need far
+	// fewer, and without a bound idle admin connections can take every
+	// descriptor the process has. One more is answered 503 and closed at
+	// once.
+	MaxConns int `yaml:"max_conns" reload:"restart"`
+	// ReadTimeout bounds reading one admin request, headers and body,
+	// counted from the connection's opening for its first request and from
+	// its first byte for later ones (default 10s). A request not read by
+	// then is cut: the connection is closed. Handlers that run long (a
+	// 30-second CPU profile) are not bound by it.
+	ReadTimeout configfile.Duration `yaml:"read_timeout" reload:"restart"`
+	// IdleTimeout closes a keep-alive admin connection idle this long
+	// (default 120s: above Prometheus's 1-minute default scrape interval,
+	// so a scraper keeps its connection between scrapes).
+	IdleTimeout configfile.Duration `yaml:"idle_timeout" reload:"restart"`
 }
+
+// Defaults and bounds of the admin section's connection limits.
+const (
+	defaultAdminMaxConns = 64
+	maxAdminConns        = 1 << 16
+)
 
 // LimitsConfig bounds caller input and connections. Only
 // MaxInflightPerEncoder changes on a reload; the others need a restart.
@@ -136,6 +159,11 @@ func DefaultConfig() Config {
 			IdleTimeout:           configfile.Duration(120e9),
 			MaxConns:              10000,
 			MaxInflightPerEncoder: 1024,
+		},
+		Admin: AdminConfig{
+			MaxConns:    defaultAdminMaxConns,
+			ReadTimeout: configfile.Duration(10e9),
+			IdleTimeout: configfile.Duration(120e9),
 		},
 		Shutdown: ShutdownConfig{Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)}},
 		Log:      configfile.Log{Level: "info"},
@@ -208,6 +236,11 @@ const minTokenLen = 16
 // Validate checks the admin section; path is its field path. Problems never
 // quote the token.
 func (a AdminConfig) Validate(p *configfile.Problems, path string) {
+	if a.MaxConns < 1 || a.MaxConns > maxAdminConns {
+		p.Addf(path+".max_conns", "must be between 1 and %d, got %d", maxAdminConns, a.MaxConns)
+	}
+	p.Positive(path+".read_timeout", a.ReadTimeout)
+	p.Positive(path+".idle_timeout", a.IdleTimeout)
 	if a.Token == "" {
 		return
 	}

@@ -1,35 +1,50 @@
 package gateway
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/sglang"
 )
 
-// connLimiter bounds the encoder-facing listener at limits.max_conns open
-// connections. It returns accepted connections unwrapped, and fasthttp's
-// ConnState hook tells it when one closes. The connection one too many is
-// answered with a 503 envelope and closed.
+// connLimiter is a listener of the gateway's (the encoder-facing one,
+// bounded at limits.max_conns, and the admin one, at admin.max_conns). It
+// returns accepted connections unwrapped, and its server's ConnState hook
+// tells it when one closes. The connection one too many is answered with a
+// 503 envelope and closed, so that it holds no descriptor for long.
+//
+// Accept never hands a temporary error to its server: both fasthttp's
+// Serve (which stops on any error but a timeout) and net/http's (which
+// retries only what net.Error.Temporary says, not ENOBUFS or ENOMEM, and
+// logs every failure) would otherwise take it. acceptRetry waits it out.
 type connLimiter struct {
 	net.Listener
-	max      int64
-	open     atomic.Int64
-	accepted atomic.Uint64
-	rejected atomic.Uint64
-	refusal  []byte // the whole 503 response
-	log      *zap.Logger
-	lastLog  atomic.Int64 // unix second of the last refusal logged
+	max        int64
+	open       atomic.Int64
+	accepted   atomic.Uint64
+	rejected   atomic.Uint64
+	refusal    []byte // the whole 503 response
+	refusedMsg string
+	log        *zap.Logger
+	clk        clock.Clock
+	lastLog    atomic.Int64 // unix second of the last refusal logged
 
 	lingering chan struct{} // bounds refused connections being closed
 	wg        sync.WaitGroup
+
+	retry acceptRetry
 }
 
 // For a refused connection: how long the 503 may take to write, and how long
@@ -40,25 +55,55 @@ const (
 	refuseWriteTimeout = time.Second
 	lingerTimeout      = 500 * time.Millisecond
 	lingerBytes        = 256 << 10
-	maxLingering       = 128
 )
 
-func newConnLimiter(max int, log *zap.Logger) *connLimiter {
-	msg := fmt.Sprintf("encgate: too many connections (limits.max_conns is %d); try again later", max)
+// At most this many refused connections linger at once (maxLingering on
+// the encoder-facing listener, adminMaxLingering on the admin one, and
+// never more than the listener's own limit); past it a refused connection
+// is closed at once. With the one being answered, each listener holds at
+// most lingerCap+1 descriptors for refusals: Config.descriptorParts counts
+// them.
+const (
+	maxLingering      = 128
+	adminMaxLingering = 8
+)
+
+func lingerCap(max, bound int) int { return min(max, bound) }
+
+// listenerOptions describe one of the gateway's listeners.
+type listenerOptions struct {
+	name    string // listener label of encgate_accept_errors_total: "main" or "admin"
+	max     int    // open connections
+	linger  int    // refused connections lingering at once
+	key     string // the config key of max, named in the refusal
+	what    string // what is refused, plural, for the refusal: "connections"
+	one     string // the same, singular, for its log line: "connection"
+	counter string // the metric that counts refusals, named in the log line
+}
+
+func newConnLimiter(o listenerOptions, clk clock.Clock, log *zap.Logger, acceptErrors *prometheus.CounterVec) *connLimiter {
+	msg := fmt.Sprintf("encgate: too many %s (%s is %d); try again later", o.what, o.key, o.max)
 	body := sglang.AppendEnvelope(nil, msg, nil)
 	head := fmt.Sprintf("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"+
 		"Retry-After: 1\r\nConnection: close\r\n\r\n", len(body))
-	return &connLimiter{max: int64(max), refusal: append([]byte(head), body...), log: log,
-		lingering: make(chan struct{}, maxLingering)}
+	return &connLimiter{max: int64(o.max), refusal: append([]byte(head), body...), log: log, clk: clk,
+		refusedMsg: fmt.Sprintf("%s refused: %s reached (logged at most once a minute; %s counts them)", o.one, o.key, o.counter),
+		lingering:  make(chan struct{}, lingerCap(o.max, o.linger)),
+		retry:      acceptRetry{listener: o.name, clk: clk, log: log, errors: acceptErrors, closed: make(chan struct{})}}
 }
 
 // Accept returns the next connection within the limit, refusing the others.
+// It is called by one goroutine, its server's accept loop.
 func (l *connLimiter) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
+			if l.retry.wait(err) {
+				continue
+			}
 			return nil, err
 		}
+		l.retry.accepted()
 		if l.open.Add(1) <= l.max {
 			l.accepted.Add(1)
 			return c, nil
@@ -69,6 +114,13 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 	}
 }
 
+// Close closes the listener and ends a backoff in progress, so that the
+// accept loop returns at once.
+func (l *connLimiter) Close() error {
+	l.retry.close()
+	return l.Listener.Close()
+}
+
 // connState counts a connection fasthttp is done with (its ConnState hook:
 // every connection Accept returned ends in StateClosed or StateHijacked).
 func (l *connLimiter) connState(_ net.Conn, st fasthttp.ConnState) {
@@ -77,12 +129,20 @@ func (l *connLimiter) connState(_ net.Conn, st fasthttp.ConnState) {
 	}
 }
 
-func (l *connLimiter) refuse(c net.Conn) {
-	if now := time.Now().Unix(); l.lastLog.Load() < now-60 {
-		l.lastLog.Store(now)
-		l.log.Warn("connection refused: limits.max_conns reached (logged at most once a minute; encgate_connections_rejected_total counts them)",
-			zap.Int64("max_conns", l.max), zap.Stringer("remote", c.RemoteAddr()))
+// httpConnState is connState for net/http (the admin listener), whose
+// connections end in StateClosed or StateHijacked as well.
+func (l *connLimiter) httpConnState(_ net.Conn, st http.ConnState) {
+	if st == http.StateClosed || st == http.StateHijacked {
+		l.open.Add(-1)
 	}
+}
+
+func (l *connLimiter) refuse(c net.Conn) {
+	if now := l.clk.Now().Unix(); l.lastLog.Load() < now-60 {
+		l.lastLog.Store(now)
+		l.log.Warn(l.refusedMsg, zap.Int64("max_conns", l.max), zap.Stringer("remote", c.RemoteAddr()))
+	}
+	// Deadlines on a socket are wall-clock times, whatever l.clk says.
 	_ = c.SetWriteDeadline(time.Now().Add(refuseWriteTimeout))
 	if _, err := c.Write(l.refusal); err != nil {
 		_ = c.Close()
@@ -116,3 +176,195 @@ func lingerClose(c net.Conn, close bool) {
 
 // wait returns once every refused connection is closed.
 func (l *connLimiter) wait() { l.wg.Wait() }
+
+// Backoff after a temporary accept error: 5ms, doubling to 1s, and back to
+// 5ms once a connection is accepted, as net/http's Server does. The wait
+// is what keeps a process out of descriptors from spinning on accept4; the
+// connections meanwhile wait in the kernel's backlog, and each is taken
+// once a descriptor frees.
+const (
+	acceptBackoffMin = 5 * time.Millisecond
+	acceptBackoffMax = time.Second
+)
+
+// acceptWarnEvery bounds the warnings about accept errors on one listener:
+// a burst (errors until the next accepted connection) is logged when it
+// starts and when it ends, but under a pressure that lets a connection
+// through now and then, a burst starts after each; those within this long
+// of the last warning are only counted (encgate_accept_errors_total), and
+// the next warning says how many went unlogged.
+const acceptWarnEvery = time.Minute
+
+// acceptRetry waits out temporary accept errors for a connLimiter.
+type acceptRetry struct {
+	listener string
+	clk      clock.Clock
+	log      *zap.Logger
+	errors   *prometheus.CounterVec // listener, errno
+
+	closed    chan struct{} // closed by close: ends a backoff at once
+	closeOnce sync.Once
+
+	// The accept loop's own state (one goroutine calls Accept).
+	delay      time.Duration // the last backoff; 0 after an accepted connection
+	burst      uint64        // errors since the last accepted connection
+	burstStart time.Time
+	warned     bool      // the burst in progress was logged
+	lastWarn   time.Time // when a burst was last logged
+	unlogged   uint64    // resource errors since lastWarn in bursts that were not logged
+}
+
+// acceptErrorKind is what an accept error says about the next accept.
+type acceptErrorKind int
+
+const (
+	acceptPermanent  acceptErrorKind = iota // the listener is broken or closed: stop
+	acceptResource                          // the process or the kernel is out of something: wait, it frees
+	acceptConnection                        // the one connection failed before it was accepted: take the next
+)
+
+// acceptErrnos are the accept errors worth waiting out, by errno, with the
+// errno label of encgate_accept_errors_total. Resource: out of descriptors
+// (EMFILE: this process; ENFILE: the whole system) or of kernel memory.
+// Connection: errors of the pending connection itself that Linux reports
+// from accept(2) ("treat them like EAGAIN by retrying", its man page says;
+// Go's poller retries only ECONNABORTED), and interruptions. Both back off,
+// which costs a lone connection error 5ms at most.
+var acceptErrnos = map[syscall.Errno]struct {
+	label string
+	kind  acceptErrorKind
+}{
+	syscall.EMFILE:       {"EMFILE", acceptResource},
+	syscall.ENFILE:       {"ENFILE", acceptResource},
+	syscall.ENOBUFS:      {"ENOBUFS", acceptResource},
+	syscall.ENOMEM:       {"ENOMEM", acceptResource},
+	syscall.ECONNABORTED: {"ECONNABORTED", acceptConnection},
+	syscall.ECONNRESET:   {"ECONNRESET", acceptConnection},
+	syscall.EPROTO:       {"EPROTO", acceptConnection},
+	syscall.ENETDOWN:     {"ENETDOWN", acceptConnection},
+	syscall.ENETUNREACH:  {"ENETUNREACH", acceptConnection},
+	syscall.EHOSTDOWN:    {"EHOSTDOWN", acceptConnection},
+	syscall.EHOSTUNREACH: {"EHOSTUNREACH", acceptConnection},
+	syscall.ENOPROTOOPT:  {"ENOPROTOOPT", acceptConnection},
+	syscall.EOPNOTSUPP:   {"EOPNOTSUPP", acceptConnection},
+	syscall.EPERM:        {"EPERM", acceptConnection}, // Linux: firewall rules forbid the connection
+	syscall.ETIMEDOUT:    {"ETIMEDOUT", acceptConnection},
+	syscall.EINTR:        {"EINTR", acceptConnection},
+	syscall.EAGAIN:       {"EAGAIN", acceptConnection},
+}
+
+// acceptErrnoLabels are the errno labels created for each listener at start,
+// so that an alert on the rate of descriptor exhaustion has a series to
+// watch before the first one.
+var acceptErrnoLabels = []string{"EMFILE", "ENFILE", "ENOBUFS", "ENOMEM"}
+
+// classifyAcceptError says whether err is worth waiting out, and its label.
+// An error no errno explains but that net/http would retry (a net.Error
+// that is a timeout or temporary, such as a deadline on the listener) is a
+// resource error labelled "other".
+func classifyAcceptError(err error) (string, acceptErrorKind) {
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		if e, ok := acceptErrnos[errno]; ok {
+			return e.label, e.kind
+		}
+		return "", acceptPermanent
+	}
+	var ne interface {
+		Timeout() bool
+		Temporary() bool
+	}
+	if errors.As(err, &ne) && (ne.Timeout() || ne.Temporary()) {
+		return "other", acceptResource
+	}
+	return "", acceptPermanent
+}
+
+// nextAcceptBackoff is the backoff after one of the last delay.
+func nextAcceptBackoff(last time.Duration) time.Duration {
+	if last <= 0 {
+		return acceptBackoffMin
+	}
+	return min(2*last, acceptBackoffMax)
+}
+
+// wait counts err and, for a temporary error, waits the backoff (or until
+// the listener is closed: the next accept then returns that) and reports
+// true; for a permanent one, it reports false at once.
+func (r *acceptRetry) wait(err error) bool {
+	label, kind := classifyAcceptError(err)
+	if kind == acceptPermanent {
+		return false
+	}
+	r.errors.WithLabelValues(r.listener, label).Inc()
+	r.delay = nextAcceptBackoff(r.delay)
+	now := r.clk.Now()
+	if r.burst == 0 {
+		r.burstStart = now
+	}
+	r.burst++
+	switch {
+	case kind == acceptConnection:
+		r.log.Debug("accept: the pending connection failed; taking the next", zap.String("listener", r.listener),
+			zap.String("errno", label), zap.Error(err))
+	case r.warned:
+	case !r.lastWarn.IsZero() && now.Sub(r.lastWarn) < acceptWarnEvery:
+		r.unlogged++
+	default:
+		r.log.Warn("accept failed; retrying with backoff until it succeeds (logged once per burst; encgate_accept_errors_total counts every error)",
+			zap.String("listener", r.listener), zap.String("errno", label), zap.Error(err),
+			zap.Duration("retry_in", r.delay), zap.Uint64("unlogged_since_last_warning", r.unlogged))
+		r.warned, r.lastWarn, r.unlogged = true, now, 0
+	}
+	t := r.clk.NewTimer(r.delay)
+	select {
+	case <-t.C():
+	case <-r.closed:
+		t.Stop()
+	}
+	return true
+}
+
+// accepted ends a burst of errors: the backoff starts over.
+func (r *acceptRetry) accepted() {
+	if r.burst == 0 {
+		return
+	}
+	if r.warned {
+		r.log.Info("accepting again after accept errors", zap.String("listener", r.listener),
+			zap.Uint64("errors", r.burst), zap.Duration("for", r.clk.Now().Sub(r.burstStart)))
+	}
+	r.burst, r.delay, r.warned = 0, 0, false
+}
+
+func (r *acceptRetry) close() { r.closeOnce.Do(func() { close(r.closed) }) }
+
+// newAcceptErrors is encgate_accept_errors_total, registered on reg.
+func newAcceptErrors(reg prometheus.Registerer) *prometheus.CounterVec {
+	v := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_accept_errors_total",
+		Help: "Temporary accept errors on a listener (main: encoder-facing, admin), by errno (EMFILE: out of descriptors); " +
+			"each is retried with backoff, the connection waiting in the kernel's backlog.",
+	}, []string{"listener", "errno"})
+	reg.MustRegister(v)
+	for _, l := range []string{"main", "admin"} {
+		for _, e := range acceptErrnoLabels {
+			v.WithLabelValues(l, e)
+		}
+	}
+	return v
+}
+
+// registerAdminConnMetrics registers the admin listener's connection
+// counts (the encoder-facing listener's are in newMetrics).
+func registerAdminConnMetrics(reg prometheus.Registerer, l *connLimiter) {
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "encgate_admin_connections_open",
+			Help: "Open connections on the admin listener (bounded by admin.max_conns).",
+		}, func() float64 { return float64(l.open.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "encgate_admin_connections_rejected_total",
+			Help: "Admin connections answered 503 and closed because admin.max_conns were open.",
+		}, func() float64 { return float64(l.rejected.Load()) }))
+}

@@ -110,8 +110,10 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string
 		resp.SwapBody(ctx.Response.SwapBody(resp.Body()))
 	} else {
 		// A remembered failure is the encoder's answer again: logged when it
-		// was first given, not for each follow-up.
-		if ce := s.log.Check(zapcore.WarnLevel, "request answered by the gateway"); ce != nil && v.Kind != upstream.KindRemembered {
+		// was first given, not for each follow-up. The line is sampled
+		// (s.quiet): a client can make the gateway answer itself at any
+		// rate, and encgate_requests_total counts every answer.
+		if ce := s.quiet.Check(zapcore.WarnLevel, "request answered by the gateway"); ce != nil && v.Kind != upstream.KindRemembered {
 			ce.Write(zap.String("route", rt.Path), zap.String("req_id", reqID), zap.String("encoder", v.Encoder),
 				zap.Int("status", v.Status), zap.Stringer("kind", v.Kind), zap.String("message", v.Message))
 		}

@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"bufio"
 	"errors"
 	"net"
 	"os"
@@ -29,7 +28,8 @@ func (s *Server) readConfig(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 // limits.max_header_bytes get 431, a read past its deadline 408, each
 // naming the limit; everything else goes to handleProtocolError. The
 // answer is then sent at once and the connection closed gently
-// (answerAndLinger).
+// (answerAndLinger). A request refused by the framing check (framing.go)
+// arrives here too, as whatever error fasthttp made of the check's refusal.
 func (s *Server) handleReadError(ctx *fasthttp.RequestCtx, err error) {
 	var small *fasthttp.ErrSmallBuffer
 	switch {
@@ -47,28 +47,27 @@ func (s *Server) handleReadError(ctx *fasthttp.RequestCtx, err error) {
 	s.answerAndLinger(ctx)
 }
 
-// answerAndLinger sends the error answer in ctx now, half-closes the
-// connection and discards what the client still sends for a moment (up to
-// lingerTimeout and lingerBytes), as net/http does after an answer it cut
-// short. fasthttp would write the answer and close at once, and closing a
-// socket with unread input resets the connection: a client still sending
+// answerAndLinger makes the error answer in ctx the connection's last and
+// its close gentle: fasthttp writes the answer after every answer still
+// buffered for requests pipelined before this one, then closes the
+// connection, and the close half-closes it and discards what the client
+// still sends for a moment (up to lingerTimeout and lingerBytes), as
+// net/http does after an answer it cut short (framingConn.Close). Closing
+// a socket with unread input resets the connection: a client still sending
 // an oversized body or header would then see the reset instead of the 413
-// or 431. fasthttp's own write of the answer afterwards meets the
-// half-closed socket and is dropped (it ignores that error); its close is
-// then clean.
+// or 431. Writing the answer here instead would put it before the buffered
+// ones, which the close would then lose.
 func (s *Server) answerAndLinger(ctx *fasthttp.RequestCtx) {
 	c := ctx.Conn()
 	ctx.SetConnectionClose()
 	_ = c.SetWriteDeadline(time.Now().Add(s.conf().Limits.WriteTimeout.D()))
-	bw := bufio.NewWriterSize(c, 512)
-	if ctx.Response.Write(bw) != nil || bw.Flush() != nil {
-		return
-	}
-	lingerClose(c, false)
+	lingerOnClose(c)
 }
 
 // handleProtocolError answers requests fasthttp could not read, in the
-// encoder's envelope.
+// encoder's envelope. A malformed request's 400 says why in the gateway's
+// own words (requestErrorReason): fasthttp's error texts quote the
+// request's bytes, and an answer must not echo them.
 func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		writeEnvelope(ctx, fasthttp.StatusRequestEntityTooLarge,
@@ -76,7 +75,7 @@ func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
 	} else if isReadTimeout(err) {
 		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time", nil)
 	} else {
-		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+err.Error(), nil)
+		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+requestErrorReason(ctx.Conn(), err), nil)
 	}
 	s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
 }

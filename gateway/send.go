@@ -9,10 +9,14 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/sglang"
+	"github.com/encgate/encgate/upstream"
 )
 
-// headerReplayed marks every /send answer that was not this caller's own
-// forwarded call: coalesced, replayed, or answered from release state.
+// headerReplayed marks a /send answer that is another call's answer: one
+// replayed from the store, or shared by an identical call in flight. The
+// answers the gateway makes itself (a conflict, a wait past the deadline,
+// the store down, a destination after release) are this call's own, and
+// are not marked.
 const headerReplayed = "X-Encgate-Replayed"
 
 // serveSend is the dedupe step of /send: exactly one call per (req_id,
@@ -20,6 +24,13 @@ const headerReplayed = "X-Encgate-Replayed"
 // replay allocates only its key.
 func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sglang.Send) {
 	req := idempotency.NewSend(body)
+	// Every answer names an encoder it concerns: a replayed or shared
+	// answer the encoder that gave it (the store keeps its name); a
+	// conflict, a wait or a refusal the encoder holding the req_id as the
+	// call arrives; this call's own exchange the encoder it reached.
+	if p, ok := s.pool.Pins.Get(req.Key.ReqID); ok && p.Encoder != "" {
+		ctx.Response.Header.Set(headerEncoder, p.Encoder)
+	}
 	if res, ok := s.sends.Replay(context.Background(), req); ok {
 		s.writeSendResult(ctx, req, res)
 		return
@@ -30,7 +41,7 @@ func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sgla
 		defer fasthttp.ReleaseResponse(resp)
 		r := s.exchange(ctx, rt, sglang.Request{ReqID: req.Key.ReqID}, timeout, resp)
 		s.answer(ctx, rt, req.Key.ReqID, r, resp)
-		return snapshot(ctx), r.Delivered
+		return s.snapshot(ctx, r), r.Delivered
 	})
 	s.writeSendResult(ctx, req, res)
 }
@@ -45,8 +56,15 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 			s.pool.Pins.Delete(reqID)
 		}
 		return
+	case idempotency.Failed:
+		// The gateway's own answer, nothing replayed: a destination past the
+		// req_id's bound (400, naming it), or a forward that failed inside
+		// the gateway (500).
+		writeEnvelope(ctx, res.Status, "encgate: "+res.Err.Error(), id())
+		return
 	case idempotency.Inflight, idempotency.Replayed:
 		writeAnswer(ctx, res.Answer)
+		ctx.Response.Header.Set(headerReplayed, "true")
 	case idempotency.Released:
 		writeEnvelope(ctx, fasthttp.StatusInternalServerError, sglang.AlreadyReleasedMessage(reqID), id())
 	case idempotency.Conflict:
@@ -58,24 +76,29 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 		writeEnvelope(ctx, fasthttp.StatusGatewayTimeout, fmt.Sprintf(
 			"encgate: an identical /send for req_id=%s to %s is still in flight past this call's deadline", reqID, req.Key.Dest), id())
 	}
-	ctx.Response.Header.Set(headerReplayed, "true")
 }
 
 // snapshot copies the caller's response into an Answer the store and other
-// waiters may keep after this request is done.
-func snapshot(ctx *fasthttp.RequestCtx) idempotency.Answer {
+// waiters may keep after this request is done, with the encoder that
+// answered (the name the exchange set, from the pool's own strings).
+func (s *Server) snapshot(ctx *fasthttp.RequestCtx, r upstream.Result) idempotency.Answer {
 	return idempotency.Answer{
 		Status:      ctx.Response.StatusCode(),
 		ContentType: string(ctx.Response.Header.ContentType()),
 		Body:        append([]byte(nil), ctx.Response.Body()...),
+		Encoder:     r.Verdict.Encoder,
 	}
 }
 
-// writeAnswer writes a stored or shared answer.
+// writeAnswer writes a stored or shared answer, naming the encoder that
+// gave it.
 func writeAnswer(ctx *fasthttp.RequestCtx, a idempotency.Answer) {
 	ctx.SetStatusCode(a.Status)
 	if a.ContentType != "" {
 		ctx.Response.Header.SetContentType(a.ContentType)
+	}
+	if a.Encoder != "" {
+		ctx.Response.Header.Set(headerEncoder, a.Encoder)
 	}
 	ctx.SetBody(a.Body)
 }

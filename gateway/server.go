@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"sync/atomic"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/fdlimit"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
 )
@@ -28,6 +28,7 @@ type Server struct {
 	snap    atomic.Pointer[Config]
 	level   *zap.AtomicLevel
 	log     *zap.Logger
+	quiet   *zap.Logger // log, sampled: lines a client can cause at any rate (logsample.go)
 	clk     clock.Clock
 	pool    *upstream.Pool
 	store   *idempotency.Opened
@@ -35,13 +36,15 @@ type Server struct {
 	metrics *metrics
 	reg     *prometheus.Registry
 
-	srv   *fasthttp.Server
-	admin *http.Server
-	ln    net.Listener
-	conns *connLimiter // ln, bounded at limits.max_conns
-	adln  net.Listener
-	ready atomic.Bool
-	done  chan error
+	srv     *fasthttp.Server
+	admin   *http.Server
+	ln      net.Listener
+	conns   *connLimiter // ln, bounded at limits.max_conns
+	adln    net.Listener
+	adconns *connLimiter   // adln, bounded at admin.max_conns
+	fds     fdlimit.Limits // RLIMIT_NOFILE, checked again on every reload
+	ready   atomic.Bool
+	done    chan error
 }
 
 // Deps are what a Server takes from its caller.
@@ -51,9 +54,17 @@ type Deps struct {
 	Clock    clock.Clock      // nil means the wall clock
 	Rand     func() float64   // uniform in [0,1) for backoff jitter; nil means math/rand/v2
 	Level    *zap.AtomicLevel // when set, a reload applies log.level to it
+	// Descriptors is the RLIMIT_NOFILE that New fits the config into; nil
+	// means this process's.
+	Descriptors fdlimit.Limits
 }
 
-// New builds a gateway from a validated config.
+// New builds a gateway from a validated config. First it makes sure that
+// what the config can hold open fits RLIMIT_NOFILE, raising the soft limit
+// where that makes it fit (Descriptors): a config that cannot fit is a
+// *DescriptorError, before anything is built. Descriptors that run out all
+// the same (the limit lowered later, files opened by other code) are
+// waited out by the listeners, which never stop on them.
 func New(cfg Config, deps Deps) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -63,6 +74,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		clk = clock.Real{}
 	}
 	log := deps.Log.Named("gateway")
+	fds, err := Descriptors(cfg, deps.Descriptors, true)
+	if err != nil {
+		return nil, err
+	}
+	logDescriptors(log, fds)
 	pool, err := upstream.NewPool(poolSettings(cfg), cfg.Affinity, upstream.Deps{
 		Log: deps.Log.Named("upstream"), Registry: deps.Registry, Clock: clk, Rand: deps.Rand})
 	if err != nil {
@@ -73,9 +89,14 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		pool.Close()
 		return nil, err
 	}
-	s := &Server{log: log, clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	s := &Server{fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
-	s.conns = newConnLimiter(cfg.Limits.MaxConns, log)
+	acceptErrors := newAcceptErrors(deps.Registry)
+	s.conns = newConnLimiter(listenerOptions{name: "main", max: cfg.Limits.MaxConns, linger: maxLingering,
+		key: "limits.max_conns", what: "connections", one: "connection", counter: "encgate_connections_rejected_total"}, clk, log, acceptErrors)
+	s.adconns = newConnLimiter(listenerOptions{name: "admin", max: cfg.Admin.MaxConns, linger: adminMaxLingering,
+		key: "admin.max_conns", what: "admin connections", one: "admin connection", counter: "encgate_admin_connections_rejected_total"}, clk, log, acceptErrors)
+	registerAdminConnMetrics(deps.Registry, s.adconns)
 	s.metrics = newMetrics(deps.Registry, pool, s.conns)
 	s.sends = idempotency.NewSends(store.Store, cfg.Idempotency, clk, deps.Log.Named("idempotency"),
 		idempotency.NewMetrics(deps.Registry, store.Memory))
@@ -86,6 +107,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		LazyRequestTime:       true, // the handler reads its own clock; saves a clock read per request
 		NoDefaultContentType:  true,
 		MaxRequestBodySize:    int(cfg.Limits.MaxBodyBytes),
+		// Bodies pass byte for byte: a multipart body is not parsed into a
+		// form (which would leave PostBody empty and write temporary files).
+		DisablePreParseMultipartForm: true,
+		// fasthttp's errors then leave out the buffer around a bad head;
+		// fasthttpLog drops the rest of what they quote.
+		SecureErrorLogMessage: true,
 		// The read buffer bounds the request line and headers.
 		ReadBufferSize: int(cfg.Limits.MaxHeaderBytes),
 		// fasthttp's ReadTimeout runs from a connection's opening (first
@@ -104,10 +131,31 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Concurrency:     2 * cfg.Limits.MaxConns,
 		ConnState:       s.conns.connState,
 		CloseOnShutdown: true,
-		Logger:          fasthttpLogger{deps.Log.Named("fasthttp")},
+		Logger:          fasthttpLog{sampled(deps.Log.Named("fasthttp"), clk)},
 	}
-	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
+	s.admin = newAdminServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
 	return s, nil
+}
+
+// newAdminServer is the admin listener's server: h behind the section's
+// read and idle timeouts, its connections counted by conns.
+func newAdminServer(cfg AdminConfig, h http.Handler, conns *connLimiter, log *zap.Logger) *http.Server {
+	return &http.Server{
+		Handler: h,
+		// ReadTimeout bounds reading the whole request (ReadHeaderTimeout,
+		// unset, takes its value): from the connection's opening for the
+		// first, from the first byte for keep-alive ones (net/http waits
+		// for it under IdleTimeout). It does not bound the handler: net/http
+		// lifts the deadline once the request is read (its background read
+		// starts without one). No WriteTimeout: pprof's profile and trace
+		// write after ?seconds=N, 30 by default.
+		ReadTimeout: cfg.ReadTimeout.D(),
+		IdleTimeout: cfg.IdleTimeout.D(),
+		ConnState:   conns.httpConnState,
+		// net/http logs through the standard logger unless told; its
+		// messages (TLS handshakes, panics in handlers) go to zap.
+		ErrorLog: zap.NewStdLog(log),
+	}
 }
 
 // serveClient is the encoder-facing handler. While the gateway drains, every
@@ -144,10 +192,10 @@ func (s *Server) Start() error {
 		return fmt.Errorf("admin_listen: %w", err)
 	}
 	s.ln, s.adln = ln, adln
-	s.conns.Listener = ln
-	go func() { s.done <- s.srv.Serve(tcpconn.Listener{Listener: s.conns}) }()
+	s.conns.Listener, s.adconns.Listener = ln, adln
+	go func() { s.done <- s.srv.Serve(framingListener{tcpconn.Listener{Listener: s.conns}}) }()
 	go func() {
-		if err := s.admin.Serve(adln); !errors.Is(err, http.ErrServerClosed) {
+		if err := s.admin.Serve(s.adconns); !errors.Is(err, http.ErrServerClosed) {
 			s.done <- err
 		}
 	}()
@@ -189,16 +237,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	err := s.srv.ShutdownWithContext(ctx)
 	s.conns.wait()
 	aerr := s.admin.Shutdown(ctx)
+	s.adconns.wait()
 	s.pool.Close()
 	serr := s.store.Close()
 	err = errors.Join(err, aerr, serr)
 	s.log.Info("stopped", zap.Error(err))
 	return err
-}
-
-// fasthttpLogger routes fasthttp's own messages to zap.
-type fasthttpLogger struct{ l *zap.Logger }
-
-func (f fasthttpLogger) Printf(format string, args ...any) {
-	f.l.Warn(fmt.Sprintf(format, args...))
 }

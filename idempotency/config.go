@@ -17,14 +17,29 @@ type Config struct {
 	Store string `yaml:"store"`
 	// Capacity bounds the records the memory store holds (default 1,000,000);
 	// past it the req_ids nearest to expiry are dropped, counted in a metric.
+	// It counts records (destinations), not req_ids, so one req_id never
+	// holds more than Capacity of them either: its destinations are bounded
+	// by the smaller of Capacity and MaxDestinationsPerReqID.
 	Capacity int `yaml:"capacity"`
+	// MaxDestinationsPerReqID bounds the distinct destinations one req_id
+	// may have, done and in flight together, in either store (default 1024).
+	// A /send to one more is refused with a 400 envelope naming the bound
+	// before it reaches the encoder, and counted. A req_id has one
+	// destination per receiver TP rank (16 at most in practice), so only a
+	// broken or hostile client comes near it; without the bound one req_id
+	// could grow without limit, its records held while it lives.
+	MaxDestinationsPerReqID int `yaml:"max_destinations_per_req_id"`
 	// TTL is how long a req_id's records and release state are kept after its
 	// last /send (default 10m).
 	TTL configfile.Duration `yaml:"ttl"`
 	// ClaimTTL bounds how long one replica may hold a key while its /send is
 	// in flight (default 5m); the /send exchange is cut off before it. It
 	// only matters for the redis store, where a crashed replica's claim must
-	// not block the key forever.
+	// not block the key forever. A replica whose answer Redis refuses to
+	// store keeps extending its claim while it retries (for up to TTL), so
+	// the key is not forwarded again meanwhile; a Redis that refuses even
+	// that (read-only) for longer than ClaimTTL lets the claim lapse
+	// (encgate_idempotency_complete_lost_total{reason="claim_lost"}).
 	ClaimTTL configfile.Duration `yaml:"claim_ttl"`
 	// Redis configures the redis store.
 	Redis RedisConfig `yaml:"redis"`
@@ -47,13 +62,21 @@ type RedisConfig struct {
 	PollInterval configfile.Duration `yaml:"poll_interval"` // how often a waiter re-reads the record besides pub/sub (default 100ms)
 }
 
+// maxDestinationsLimit is the largest max_destinations_per_req_id: a
+// req_id's destination count is an int32 in the memory store, and the Redis
+// claim script counts them one by one.
+const maxDestinationsLimit = 1 << 16
+
 // DefaultConfig returns the idempotency defaults.
 func DefaultConfig() Config {
 	return Config{
 		Store:    "memory",
 		Capacity: 1_000_000,
-		TTL:      configfile.Duration(600e9),
-		ClaimTTL: configfile.Duration(300e9),
+		// 64x the largest receiver TP sglang runs (16): far from any real
+		// req_id, small enough that one req_id's records stay cheap.
+		MaxDestinationsPerReqID: 1024,
+		TTL:                     configfile.Duration(600e9),
+		ClaimTTL:                configfile.Duration(300e9),
 		Redis: RedisConfig{
 			Addr:         "127.0.0.1:6379",
 			KeyPrefix:    "encgate:",
@@ -74,6 +97,9 @@ func (c Config) Validate(p *configfile.Problems, path string) {
 	}
 	if c.Capacity < 1 {
 		p.Addf(path+".capacity", "must be >= 1, got %d", c.Capacity)
+	}
+	if c.MaxDestinationsPerReqID < 1 || c.MaxDestinationsPerReqID > maxDestinationsLimit {
+		p.Addf(path+".max_destinations_per_req_id", "must be between 1 and %d, got %d", maxDestinationsLimit, c.MaxDestinationsPerReqID)
 	}
 	p.Positive(path+".ttl", c.TTL)
 	p.Positive(path+".claim_ttl", c.ClaimTTL)

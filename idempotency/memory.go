@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"math"
 	"sort"
 	"strings"
 	"sync"
@@ -21,11 +22,23 @@ const memShards = 64
 // keeps its req_ids on a list ordered by last activity, which with one TTL is
 // expiry order, so the sweep and the size bound both take from its front.
 //
-// It does not track in-flight claims: Sends coalesces those in process.
+// Bounds: capacity counts records (one per destination), per shard
+// (capacity/64+1 each). The req_id just written is never the one evicted,
+// so one req_id's own destinations are bounded separately: at most
+// maxDests = min(capacity, max_destinations_per_req_id), done and in flight
+// together, checked by Claim before anything is forwarded. Each record's
+// strings are bounded by the parser (limits.max_field_bytes), its body by
+// upstream.max_response_bytes.
+//
+// It does not track who holds a claim: Sends coalesces callers in process.
+// It counts, per req_id, the claims on destinations not yet recorded, so
+// that concurrent new destinations cannot pass the bound together.
 type Memory struct {
 	clk      clock.Clock
 	ttl      int64
-	perShard int // records per shard
+	perShard int    // records per shard
+	maxDests int    // destinations per req_id, done and claimed
+	bound    string // the config key that sets maxDests
 	shards   [memShards]memShard
 
 	records   atomic.Int64
@@ -33,19 +46,32 @@ type Memory struct {
 }
 
 type memShard struct {
-	mu      sync.Mutex // protects reqs, list and records
+	mu      sync.Mutex // protects every field below and the entries
 	reqs    map[string]*reqEntry
 	head    *reqEntry // least recently active, first to expire
 	tail    *reqEntry
 	records int
+	// claims counts, per req_id, the claims Claim granted on destinations
+	// without a record that have not ended yet (Complete or Abandon).
+	claims map[string]int32
+	// index places each destination of a req_id with more than linearDests
+	// of them in its more slice, so a lookup stays O(1) however many there
+	// are. Real req_ids (one destination per TP rank) never get one and pay
+	// nothing for it: a short scan is faster than a map and costs no memory.
+	index map[*reqEntry]map[string]int32
 }
+
+// linearDests is the most destinations a req_id's lookup scans one by one
+// (receiver TP <= 16); past it the shard indexes them.
+const linearDests = 16
 
 type reqEntry struct {
 	reqID        string
 	expires      int64
-	receiveCount int32
+	receiveCount int32 // the latest positive receive_count seen (admin view)
 	released     bool
-	ndests       int32
+	ndests       int32 // records held
+	counted      int32 // destinations whose /send carried a receive_count
 	prev, next   *reqEntry
 	first        destRecord    // the first destination lives inline and the
 	more         *[]destRecord // rest behind a pointer: 128 bytes per req_id
@@ -53,11 +79,13 @@ type reqEntry struct {
 
 // destRecord is a Record packed for a million-entry store.
 type destRecord struct {
-	dest   string
-	body   []byte // shares one "null" across records; never modified
-	fp     Fingerprint
-	status uint16
-	ctype  uint8 // index into contentTypes
+	dest    string
+	body    []byte // shares one "null" across records; never modified
+	fp      Fingerprint
+	status  uint16
+	ctype   uint8 // index into contentTypes
+	enc     uint8 // index into encoderNames: in the struct's padding, free
+	counted bool  // counted toward release (a /send with receive_count > 0)
 }
 
 // contentTypes interns the content types encoders answer with; index 0 is
@@ -92,6 +120,46 @@ func typeName(i uint8) string {
 	return contentTypes[i]
 }
 
+// encoderNames interns the names of the encoders that answered; index 0 is
+// "unknown". Names come from the config, so there are few; past 255 a
+// record keeps no name (its replay then names no encoder).
+var (
+	encMu        sync.RWMutex
+	encoderNames = []string{""}
+)
+
+func internEncoder(name string) uint8 {
+	if name == "" {
+		return 0
+	}
+	encMu.RLock()
+	for i, n := range encoderNames {
+		if n == name {
+			encMu.RUnlock()
+			return uint8(i)
+		}
+	}
+	encMu.RUnlock()
+	encMu.Lock()
+	defer encMu.Unlock()
+	for i, n := range encoderNames {
+		if n == name {
+			return uint8(i)
+		}
+	}
+	if len(encoderNames) < 256 {
+		encoderNames = append(encoderNames, strings.Clone(name))
+		return uint8(len(encoderNames) - 1)
+	}
+	return 0
+}
+
+func encoderName(i uint8) string {
+	encMu.RLock()
+	defer encMu.RUnlock()
+	return encoderNames[i]
+}
+
 var nullBody = []byte("null")
 
 func pack(dest string, r *Record) destRecord {
@@ -99,20 +167,29 @@ func pack(dest string, r *Record) destRecord {
 	if string(body) == "null" {
 		body = nullBody
 	}
-	return destRecord{dest: dest, body: body, fp: r.FP, status: uint16(r.Status), ctype: internType(r.ContentType)}
+	return destRecord{dest: dest, body: body, fp: r.FP, status: uint16(r.Status), ctype: internType(r.ContentType),
+		enc: internEncoder(r.Encoder)}
 }
 
 func (d *destRecord) record() Record {
-	return Record{Status: int(d.status), ContentType: typeName(d.ctype), Body: d.body, FP: d.fp}
+	return Record{Status: int(d.status), ContentType: typeName(d.ctype), Body: d.body, FP: d.fp, Encoder: encoderName(d.enc)}
 }
 
 var _ Store = (*Memory)(nil)
 
-// NewMemory returns a store holding up to capacity records for ttl each.
-func NewMemory(capacity int, ttl time.Duration, clk clock.Clock) *Memory {
-	m := &Memory{clk: clk, ttl: int64(ttl), perShard: capacity/memShards + 1}
+// NewMemory returns a store holding up to capacity records for ttl each,
+// and up to min(capacity, maxDests) destinations per req_id.
+func NewMemory(capacity, maxDests int, ttl time.Duration, clk clock.Clock) *Memory {
+	m := &Memory{clk: clk, ttl: int64(ttl), perShard: capacity/memShards + 1,
+		maxDests: maxDests, bound: "idempotency.max_destinations_per_req_id"}
+	if capacity < maxDests {
+		m.maxDests, m.bound = capacity, "idempotency.capacity"
+	}
+	m.maxDests = max(m.maxDests, 1)
 	for i := range m.shards {
 		m.shards[i].reqs = make(map[string]*reqEntry)
+		m.shards[i].claims = make(map[string]int32)
+		m.shards[i].index = make(map[*reqEntry]map[string]int32)
 	}
 	return m
 }
@@ -134,30 +211,59 @@ func (m *Memory) live(s *memShard, reqID string, now int64) *reqEntry {
 	return e
 }
 
-func (e *reqEntry) find(dest string) *destRecord {
-	if e.ndests > 0 && e.first.dest == dest {
+// find returns e's record for dest, or nil. s.mu is held.
+func (s *memShard) find(e *reqEntry, dest string) *destRecord {
+	if e.ndests == 0 {
+		return nil
+	}
+	if e.first.dest == dest {
 		return &e.first
 	}
-	if e.more != nil {
-		for i := range *e.more {
-			if (*e.more)[i].dest == dest {
-				return &(*e.more)[i]
-			}
+	if e.more == nil {
+		return nil
+	}
+	more := *e.more
+	if e.ndests > linearDests {
+		if i, ok := s.index[e][dest]; ok {
+			return &more[i]
+		}
+		return nil
+	}
+	for i := range more {
+		if more[i].dest == dest {
+			return &more[i]
 		}
 	}
 	return nil
 }
 
-func (e *reqEntry) add(d destRecord) {
+// add stores d as a new destination of e and returns where it went. s.mu
+// is held.
+func (s *memShard) add(e *reqEntry, d destRecord) *destRecord {
+	e.ndests++
 	switch {
-	case e.ndests == 0:
+	case e.ndests == 1:
 		e.first = d
+		return &e.first
 	case e.more == nil:
 		e.more = &[]destRecord{d}
 	default:
 		*e.more = append(*e.more, d)
 	}
-	e.ndests++
+	more := *e.more
+	if e.ndests > linearDests {
+		idx := s.index[e]
+		if idx == nil {
+			idx = make(map[string]int32, 2*len(more))
+			for i := range more {
+				idx[more[i].dest] = int32(i)
+			}
+			s.index[e] = idx
+		} else {
+			idx[d.dest] = int32(len(more) - 1)
+		}
+	}
+	return &more[len(more)-1]
 }
 
 func (e *reqEntry) each(f func(*destRecord)) {
@@ -171,6 +277,17 @@ func (e *reqEntry) each(f func(*destRecord)) {
 	}
 }
 
+// endClaim ends one of reqID's claims on a destination without a record.
+// s.mu is held.
+func (s *memShard) endClaim(reqID string) {
+	switch n := s.claims[reqID]; {
+	case n > 1:
+		s.claims[reqID] = n - 1
+	case n == 1:
+		delete(s.claims, reqID)
+	}
+}
+
 // Lookup implements Store.
 func (m *Memory) Lookup(_ context.Context, k Key) (Record, bool, bool, error) {
 	s := m.shard(k.ReqID)
@@ -180,59 +297,91 @@ func (m *Memory) Lookup(_ context.Context, k Key) (Record, bool, bool, error) {
 	if e == nil {
 		return Record{}, false, false, nil
 	}
-	if d := e.find(k.Dest); d != nil {
+	if d := s.find(e, k.Dest); d != nil {
 		return d.record(), true, false, nil
 	}
 	return Record{}, false, e.released, nil
 }
 
-// Claim implements Store. In process there is never another holder.
-func (m *Memory) Claim(ctx context.Context, k Key, _ Fingerprint) (Claim, error) {
-	rec, found, released, _ := m.Lookup(ctx, k)
-	switch {
-	case found:
-		return Claim{State: StateRecorded, Record: &rec}, nil
-	case released:
-		return Claim{State: StateReleased}, nil
-	default:
-		return Claim{State: StateClaimed}, nil
+// Claim implements Store. In process there is never another holder; a
+// claim on a destination without a record counts toward the req_id's bound
+// until Complete or Abandon.
+func (m *Memory) Claim(_ context.Context, k Key, _ Fingerprint) (Claim, error) {
+	s := m.shard(k.ReqID)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	have := 0
+	if e := m.live(s, k.ReqID, m.clk.Now().UnixNano()); e != nil {
+		if d := s.find(e, k.Dest); d != nil {
+			rec := d.record()
+			return Claim{State: StateRecorded, Record: &rec}, nil
+		}
+		if e.released {
+			return Claim{State: StateReleased}, nil
+		}
+		have = int(e.ndests)
 	}
+	n := s.claims[k.ReqID]
+	if have+int(n) >= m.maxDests {
+		return Claim{}, &DestinationLimitError{ReqID: k.ReqID, Dest: k.Dest, Limit: m.maxDests, Bound: m.bound}
+	}
+	s.claims[k.ReqID] = n + 1
+	return Claim{State: StateClaimed}, nil
 }
 
-// Complete implements Store.
+// Complete implements Store. A record is stored even past the destination
+// bound (a Complete without a Claim): the /send has been made, and its
+// record is what keeps it from being made again.
 func (m *Memory) Complete(_ context.Context, k Key, rec *Record, receiveCount int) (bool, error) {
 	now := m.clk.Now().UnixNano()
 	s := m.shard(k.ReqID)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.endClaim(k.ReqID)
 	e := m.live(s, k.ReqID, now)
-	dest := k.Dest // a new req_id keeps the key's shared allocation (NewKey)
-	if e == nil {
+	fresh := e == nil
+	if fresh {
 		e = &reqEntry{reqID: k.ReqID}
 		s.reqs[e.reqID] = e
 	} else {
-		dest = strings.Clone(dest) // do not pin another copy of the req_id
 		s.unlink(e)
 	}
 	e.expires = now + m.ttl
 	s.append(e)
-	if receiveCount > 0 && e.receiveCount == 0 {
-		e.receiveCount = int32(receiveCount)
-	}
-	if e.find(k.Dest) == nil {
-		e.add(pack(dest, rec))
+	d := s.find(e, k.Dest)
+	if d == nil {
+		dest := k.Dest // a new req_id keeps the key's shared allocation (NewKey)
+		if !fresh {
+			dest = strings.Clone(dest) // do not pin another copy of the req_id
+		}
+		d = s.add(e, pack(dest, rec))
 		s.records++
 		m.records.Add(1)
 	}
-	if e.receiveCount > 0 && int(e.ndests) >= int(e.receiveCount) {
-		e.released = true
+	// sglang's note_send_done: this call's own receive_count against the
+	// distinct destinations counted so far (see Store).
+	if receiveCount > 0 {
+		e.receiveCount = int32(min(receiveCount, math.MaxInt32))
+		if !d.counted {
+			d.counted = true
+			e.counted++
+		}
+		if int(e.counted) >= receiveCount {
+			e.released = true
+		}
 	}
 	m.makeRoom(s)
 	return e.released, nil
 }
 
-// Abandon implements Store; there is no claim to end in process.
-func (m *Memory) Abandon(context.Context, Key) error { return nil }
+// Abandon implements Store: the claim no longer counts toward the bound.
+func (m *Memory) Abandon(_ context.Context, k Key) error {
+	s := m.shard(k.ReqID)
+	s.mu.Lock()
+	s.endClaim(k.ReqID)
+	s.mu.Unlock()
+	return nil
+}
 
 // Await implements Store; in process there is never another holder.
 func (m *Memory) Await(context.Context, Key) (*Record, bool, error) { return nil, false, nil }
@@ -288,6 +437,9 @@ func (m *Memory) makeRoom(s *memShard) {
 func (m *Memory) drop(s *memShard, e *reqEntry, evicted bool) {
 	s.unlink(e)
 	delete(s.reqs, e.reqID)
+	if e.ndests > linearDests {
+		delete(s.index, e)
+	}
 	s.records -= int(e.ndests)
 	m.records.Add(-int64(e.ndests))
 	if evicted {

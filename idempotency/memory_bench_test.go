@@ -30,7 +30,7 @@ func fillAndMeasure(records, tp int) float64 {
 	runtime.GC()
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	m := NewMemory(2*records, time.Hour, clk) // the bound is per shard: leave headroom
+	m := NewMemory(2*records, 1024, time.Hour, clk) // the bound is per shard: leave headroom
 	rec := &Record{Status: 200, ContentType: "application/json", Body: []byte("null")}
 	for i := 0; i < records/tp; i++ {
 		reqID := fmt.Sprintf("9f1c2d3e4b5a69788796a5b4c3d2e1f0_local_part_%d", i%8)

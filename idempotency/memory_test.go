@@ -17,7 +17,7 @@ func okRec(fp Fingerprint) *Record {
 }
 
 func TestMemoryRefcountRelease(t *testing.T) {
-	m := NewMemory(1000, time.Minute, clock.NewFake(t0))
+	m := NewMemory(1000, 1024, time.Minute, clock.NewFake(t0))
 	for i := 0; i < 4; i++ {
 		k := Key{"r", fmt.Sprintf("10.0.0.1:%d", 40000+i)}
 		if c, _ := m.Claim(bg, k, Fingerprint{}); c.State != StateClaimed {
@@ -45,7 +45,7 @@ func TestMemoryRefcountRelease(t *testing.T) {
 }
 
 func TestMemoryWithoutReceiveCountNeverReleases(t *testing.T) {
-	m := NewMemory(1000, time.Minute, clock.NewFake(t0))
+	m := NewMemory(1000, 1024, time.Minute, clock.NewFake(t0))
 	for i := 0; i < 10; i++ {
 		if rel, _ := m.Complete(bg, Key{"r", fmt.Sprint(i)}, okRec(Fingerprint{}), 0); rel {
 			t.Fatal("released without receive_count")
@@ -55,7 +55,7 @@ func TestMemoryWithoutReceiveCountNeverReleases(t *testing.T) {
 
 func TestMemoryTTL(t *testing.T) {
 	clk := clock.NewFake(t0)
-	m := NewMemory(1000, time.Minute, clk)
+	m := NewMemory(1000, 1024, time.Minute, clk)
 	k := Key{"r", "h:1"}
 	m.Complete(bg, k, okRec(Fingerprint{}), 1)
 	clk.Advance(59 * time.Second)
@@ -75,7 +75,7 @@ func TestMemoryTTL(t *testing.T) {
 
 func TestMemoryBound(t *testing.T) {
 	clk := clock.NewFake(t0)
-	m := NewMemory(640, time.Hour, clk) // 11 per shard
+	m := NewMemory(640, 1024, time.Hour, clk) // 11 per shard
 	for i := 0; i < 5000; i++ {
 		m.Complete(bg, Key{fmt.Sprintf("r%d", i), "h:1"}, okRec(Fingerprint{}), 0)
 		clk.Advance(time.Millisecond)
@@ -92,7 +92,7 @@ func TestMemoryBound(t *testing.T) {
 }
 
 func TestMemoryRecordRoundTrip(t *testing.T) {
-	m := NewMemory(1000, time.Hour, clock.NewFake(t0))
+	m := NewMemory(1000, 1024, time.Hour, clock.NewFake(t0))
 	m.Complete(bg, Key{"a", "h:1"}, okRec(Fingerprint{}), 0)
 	m.Complete(bg, Key{"b", "h:1"}, okRec(Fingerprint{}), 0)
 	a, _, _ := lookup(m, bg, Key{"a", "h:1"})

@@ -12,6 +12,11 @@ type Metrics struct {
 	waitTimeouts prometheus.Counter
 	failOpen     prometheus.Counter
 	storeErrors  *prometheus.CounterVec
+	destLimit    prometheus.Counter
+	panics       prometheus.Counter
+	refused      prometheus.Counter
+	pending      prometheus.Gauge
+	lost         *prometheus.CounterVec
 }
 
 // NewMetrics registers the dedupe metrics. For the memory store it also
@@ -46,9 +51,33 @@ func NewMetrics(reg prometheus.Registerer, mem *Memory) *Metrics {
 			Help: "Failed store operations, by operation.",
 		}, []string{"op"}),
 	}
-	reg.MustRegister(dup, m.forwarded, m.conflicts, m.waitTimeouts, m.failOpen, m.storeErrors)
+	m.destLimit = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "encgate_send_destinations_refused_total",
+		Help: "/sends refused with 400 because their req_id already had as many destinations as idempotency.max_destinations_per_req_id (or the memory store's capacity) allows.",
+	})
+	m.panics = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "encgate_send_forward_panics_total",
+		Help: "/sends whose forwarding panicked in the gateway; the caller and its waiters got a 500 envelope.",
+	})
+	m.refused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "encgate_idempotency_complete_refused_total",
+		Help: "/send answers the store refused to write (Redis out of memory, read-only, unreachable); each is held by the replica that forwarded it and retried.",
+	})
+	m.pending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "encgate_idempotency_complete_pending",
+		Help: "/send answers held by this replica until the store takes them.",
+	})
+	m.lost = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_idempotency_complete_lost_total",
+		Help: "Held /send answers whose protection ended before the store took them, by reason: claim_lost (the claim lapsed or another replica took it: the /send may be forwarded again), expired (refused for the whole ttl), closed (the gateway stopped).",
+	}, []string{"reason"})
+	reg.MustRegister(dup, m.forwarded, m.conflicts, m.waitTimeouts, m.failOpen, m.storeErrors,
+		m.destLimit, m.panics, m.refused, m.pending, m.lost)
 	for _, op := range []string{"claim", "complete", "abandon"} {
 		m.storeErrors.WithLabelValues(op)
+	}
+	for _, reason := range []string{lostClaim, lostExpired, lostClosed} {
+		m.lost.WithLabelValues(reason)
 	}
 	if mem != nil {
 		reg.MustRegister(
@@ -63,4 +92,26 @@ func NewMetrics(reg prometheus.Registerer, mem *Memory) *Metrics {
 		)
 	}
 	return m
+}
+
+// The store's side of the metrics; a nil *Metrics (a store used without
+// Sends, in tests) counts nothing.
+
+func (m *Metrics) completeRefused() {
+	if m != nil {
+		m.refused.Inc()
+		m.pending.Inc()
+	}
+}
+
+func (m *Metrics) pendingDone() {
+	if m != nil {
+		m.pending.Dec()
+	}
+}
+
+func (m *Metrics) completeLost(reason string) {
+	if m != nil {
+		m.lost.WithLabelValues(reason).Inc()
+	}
 }

@@ -23,7 +23,7 @@ func (o *Opened) Close() error { return o.stop() }
 func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 	switch cfg.Store {
 	case "memory":
-		m := NewMemory(cfg.Capacity, cfg.TTL.D(), clk)
+		m := NewMemory(cfg.Capacity, cfg.MaxDestinationsPerReqID, cfg.TTL.D(), clk)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() {
@@ -32,7 +32,7 @@ func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 		}()
 		return &Opened{Store: m, Memory: m, stop: func() error { cancel(); <-done; return nil }}, nil
 	case "redis":
-		r, err := NewRedis(cfg.Redis, cfg.TTL.D(), cfg.ClaimTTL.D(), log)
+		r, err := NewRedis(cfg.Redis, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, clk, log)
 		if err != nil {
 			return nil, err
 		}

@@ -8,32 +8,59 @@ import (
 	"fmt"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/clock"
 )
 
 // Redis is the store that several gateway replicas share. Each Store method
 // is one Lua script, so a step of the protocol is atomic on the server.
 //
-// Keys (P = KeyPrefix, R = req_id, D = destination). The hash tag {R} puts
-// all of one req_id's keys in one cluster slot, which the scripts need:
+// Keys (P = KeyPrefix, R = req_id, D = destination, E = R with every '%'
+// written %25 and every '}' written %7D, or a lone '%' for an empty R).
+// The hash tag {E} puts all of one req_id's keys in one cluster slot,
+// which the scripts need:
 //
-//	P{R}:rec:D    record of (R, D)                               PX ttl
-//	P{R}:claim:D  claim on (R, D) while one replica forwards it  PX claim_ttl
-//	P{R}:claims   set of R's destinations claimed lately (admin) PX claim_ttl
-//	P{R}:dests    set of R's destinations with a record          PX ttl
-//	P{R}:count    R's receive_count: the first positive one seen PX ttl
-//	P{R}:rel      present once R is released                     PX ttl
-//	P{R}:done:D   pub/sub channel: the claim on (R, D) ended
+//	P{E}:rec:D    record of (R, D)                                  PX ttl
+//	P{E}:claim:D  claim on (R, D) while one replica forwards it     PX claim_ttl
+//	P{E}:claims   set of R's destinations claimed lately             PX claim_ttl
+//	P{E}:dests    set of R's destinations with a record             PX ttl
+//	P{E}:counted  set of those whose /send carried a receive_count  PX ttl
+//	P{E}:count    R's latest positive receive_count (admin)         PX ttl
+//	P{E}:rel      present once R is released                        PX ttl
+//	P{E}:done:D   pub/sub channel: the claim on (R, D) ended
 //
-// Every Complete adds D to dests (whatever its receive_count, as the memory
-// store counts every destination) and renews the TTL of all of R's keys,
-// records of other destinations included: like the memory store, which
-// keeps a req_id's records together, no record expires while its req_id's
-// release state lives on.
+// The names are injective: escaping is injective and leaves no '}' in E,
+// so the first '}' after P{ ends E; what follows is one of the fixed
+// names above, or rec:, claim: or done: and D, and no name is a prefix of
+// another's; D is the rest of the key, and host:port with a numeric port
+// is injective. A req_id or host holding '}' or ':' cannot make two keys
+// one (FuzzRedisKeys).
+// With no brace in KeyPrefix the hash tag is exactly E; with braces in it,
+// every key still shares its req_id's slot (they share the prefix P{E}).
+//
+// Every Complete adds D to dests, D to counted when its receive_count is
+// positive (release compares that call's receive_count with the size of
+// counted, see Store), and renews the TTL of all of R's keys, records of
+// other destinations included: like the memory store, which keeps a
+// req_id's records together, no record expires while its req_id's release
+// state lives on.
+//
+// Claim refuses a destination without a record when R already has
+// max_destinations_per_req_id destinations, counting those in dests and
+// those of claims whose claim key is live.
+//
+// Complete retries a refused write in the background (redis_pending.go):
+// the record stays on this replica and answers its lookups and claims, the
+// claim is extended every retry so no other replica claims the key, and
+// the record is published on the done channel ('r' and the record) so
+// other replicas' waiters get the answer without it being stored.
 //
 // A claim's value is a random 16-byte token followed by the holder's
 // Fingerprint (two big-endian uint64s): Busy reports the holder's
@@ -41,13 +68,15 @@ import (
 // until Complete or Abandon) may abandon it. A Claim that go-redis sends
 // again after a lost reply finds its own token and is granted again.
 //
-// Record encoding (binary, version 1):
+// Record encoding (binary, version 2; version 1, read too, has no
+// Encoder):
 //
-//	byte     1 (version)
+//	byte     2 (version)
 //	varint   Status
 //	8 bytes  FP.SessionID, big-endian
 //	8 bytes  FP.BufferAddress, big-endian
 //	uvarint  len(ContentType), then ContentType
+//	uvarint  len(Encoder), then Encoder (the encoder that answered)
 //	uvarint  len(Body), then Body (nothing may follow)
 //
 // Await waits on one pub/sub connection per Redis, started by the first
@@ -71,20 +100,30 @@ import (
 type Redis struct {
 	c         *redis.Client
 	log       *zap.Logger
+	clk       clock.Clock
 	prefix    string
+	ttl       time.Duration
 	ttlMS     int64
 	claimTTL  time.Duration
+	maxDests  int
 	opTimeout time.Duration // bound on one operation, retries included
 	poll      time.Duration
+	retryMax  time.Duration // longest wait between tries of a refused completion
 
-	mu        sync.Mutex // protects tokens, nextPrune, hub and closed
+	mu        sync.Mutex // protects tokens, nextPrune, hub, closed, pending and refusals
 	tokens    map[Key]claimToken
 	nextPrune time.Time
 	hub       *redisHub // started by the first Await
 	closed    bool
+	pending   map[Key]*pendingComplete // records Redis refused, held here until it takes them
+	refusals  refusalBurst
 
-	done chan struct{}  // closed by Close: waiters leave
-	bg   sync.WaitGroup // cleanups of failed claims
+	obs atomic.Pointer[Metrics] // set by NewSends; nil in bare tests
+
+	done chan struct{}   // closed by Close: waiters leave
+	life context.Context // canceled by Close: background retries stop
+	end  context.CancelFunc
+	bg   sync.WaitGroup // cleanups of failed claims, retries of refused completions
 }
 
 // claimToken is the token of a claim this process holds.
@@ -98,14 +137,16 @@ var _ Store = (*Redis)(nil)
 const (
 	tokenLen      = 16
 	claimValueLen = tokenLen + 16
-	recordVersion = 1
+	recordVersion = 2
 )
 
 // NewRedis returns a store over the Redis at cfg.Addr. Records and release
-// state live for ttl, claims for claimTTL. It does not contact Redis; call
-// Ping to check that it answers. Zero durations and sizes in cfg take the
-// defaults of DefaultConfig.
-func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, log *zap.Logger) (*Redis, error) {
+// state live for ttl, claims for claimTTL; a req_id has at most maxDests
+// destinations. It does not contact Redis; call Ping to check that it
+// answers. Zero durations and sizes in cfg take the defaults of
+// DefaultConfig, as do maxDests <= 0 and a nil clk (the wall clock, which
+// paces retries of refused completions) and log.
+func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk clock.Clock, log *zap.Logger) (*Redis, error) {
 	def := DefaultConfig().Redis
 	if cfg.Addr == "" {
 		return nil, errors.New("idempotency: redis addr is empty")
@@ -131,6 +172,12 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, log *zap.Logger) (*R
 	if log == nil {
 		log = zap.NewNop()
 	}
+	if clk == nil {
+		clk = clock.Real{}
+	}
+	if maxDests <= 0 {
+		maxDests = DefaultConfig().MaxDestinationsPerReqID
+	}
 	c := redis.NewClient(&redis.Options{
 		Addr:                  cfg.Addr,
 		Username:              cfg.Username,
@@ -147,16 +194,26 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, log *zap.Logger) (*R
 		DialerRetries:   1,
 		DisableIdentity: true,
 	})
+	life, end := context.WithCancel(context.Background())
 	return &Redis{
 		c:         c,
 		log:       log,
+		clk:       clk,
 		prefix:    cfg.KeyPrefix,
+		ttl:       ttl,
 		ttlMS:     ttl.Milliseconds(),
 		claimTTL:  claimTTL,
+		maxDests:  maxDests,
 		opTimeout: cfg.DialTimeout.D() + cfg.Timeout.D(),
 		poll:      cfg.PollInterval.D(),
-		tokens:    make(map[Key]claimToken),
-		done:      make(chan struct{}),
+		// A held claim is extended every retry; four tries per claim_ttl
+		// leave three to fail before it could lapse.
+		retryMax: min(completeRetryMax, claimTTL/4),
+		tokens:   make(map[Key]claimToken),
+		pending:  make(map[Key]*pendingComplete),
+		done:     make(chan struct{}),
+		life:     life,
+		end:      end,
 	}, nil
 }
 
@@ -171,6 +228,7 @@ func (r *Redis) Close() error {
 	h := r.hub
 	r.mu.Unlock()
 	close(r.done)
+	r.end()
 	r.bg.Wait()
 	if h != nil {
 		h.close()
@@ -190,11 +248,39 @@ func (r *Redis) Ping(ctx context.Context) error {
 
 // Key names.
 
-func (r *Redis) base(reqID string) string { return r.prefix + "{" + reqID + "}" }
+// base is P{E}, the start of every key of reqID (see Redis).
+func (r *Redis) base(reqID string) string { return r.prefix + "{" + escapeTag(reqID) + "}" }
+
+// escapeTag writes '%' as %25 and '}' as %7D, and the empty string as a
+// lone '%' (which no other input yields): an injective encoding whose
+// output holds no '}' and is never empty, so it is always the whole hash
+// tag (Redis hashes the whole key for an empty one). Real req_ids have
+// neither byte and come back unchanged, without an allocation.
+func escapeTag(s string) string {
+	if s == "" {
+		return "%"
+	}
+	if !strings.ContainsAny(s, "%}") {
+		return s
+	}
+	var b strings.Builder
+	b.Grow(len(s) + 8)
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; c {
+		case '%':
+			b.WriteString("%25")
+		case '}':
+			b.WriteString("%7D")
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}
 
 type redisKeys struct {
-	rec, claim, claims, dests, count, rel, done string
-	recPrefix, claimPrefix                      string
+	rec, claim, claims, dests, counted, count, rel, done string
+	recPrefix, claimPrefix                               string
 }
 
 func (r *Redis) keys(k Key) redisKeys {
@@ -204,6 +290,7 @@ func (r *Redis) keys(k Key) redisKeys {
 		claim:       b + ":claim:" + k.Dest,
 		claims:      b + ":claims",
 		dests:       b + ":dests",
+		counted:     b + ":counted",
 		count:       b + ":count",
 		rel:         b + ":rel",
 		done:        b + ":done:" + k.Dest,
@@ -223,15 +310,30 @@ if v then return v end
 return redis.call('EXISTS', KEYS[2])
 `)
 
-	// KEYS: rec, rel, claim, claims. ARGV: claim value, claimTTL ms, dest.
+	// KEYS: rec, rel, claim, claims, dests.
+	// ARGV: claim value, claimTTL ms, dest, max destinations, claim prefix.
 	// Returns {0} claimed, {1, record} recorded, {2} released,
-	// {3, holder's claim value} busy.
+	// {3, holder's claim value} busy, {4} past the destination bound. The
+	// bound counts the destinations done and those claimed by a live claim;
+	// claims holds only destinations claimed within the bound, so the loop
+	// is short.
 	claimScript = redis.NewScript(`
 local rec = redis.call('GET', KEYS[1])
 if rec then return {1, rec} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {2} end
 local cur = redis.call('GET', KEYS[3])
 if cur and string.sub(cur, 1, 16) ~= string.sub(ARGV[1], 1, 16) then return {3, cur} end
+if not cur then
+  local max = tonumber(ARGV[4])
+  local n = redis.call('SCARD', KEYS[5])
+  if n >= max then return {4} end
+  for _, d in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    if d ~= ARGV[3] and redis.call('SISMEMBER', KEYS[5], d) == 0 and redis.call('EXISTS', ARGV[5] .. d) == 1 then
+      n = n + 1
+    end
+  end
+  if n >= max then return {4} end
+end
 redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[3])
 if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[2]) then
@@ -240,11 +342,15 @@ end
 return {0}
 `)
 
-	// KEYS: rec, claim, claims, dests, count, rel.
+	// KEYS: rec, claim, claims, dests, count, rel, counted.
 	// ARGV: record, ttl ms, receive_count, dest, done channel, rec prefix.
 	// Keeps the first record of a key, ends any claim on it, counts the
-	// destination, renews the req_id's keys, wakes the waiters and returns
-	// 1 when the req_id is released.
+	// destination (in counted only with a receive_count), releases by this
+	// call's own receive_count (see Store), renews the req_id's keys, wakes
+	// the waiters and returns 1 when the req_id is released. Its first
+	// write is a SET, which a Redis out of memory refuses before anything
+	// is written (a script's later writes would not be refused), so a
+	// refused Complete changes nothing and is safe to repeat.
 	completeScript = redis.NewScript(`
 local ttl = ARGV[2]
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ttl) then
@@ -254,12 +360,15 @@ redis.call('DEL', KEYS[2])
 redis.call('SREM', KEYS[3], ARGV[4])
 redis.call('SADD', KEYS[4], ARGV[4])
 redis.call('PEXPIRE', KEYS[4], ttl)
-local count = tonumber(redis.call('GET', KEYS[5]) or '0')
 local rc = tonumber(ARGV[3])
-if count == 0 and rc > 0 then count = rc end
-if count > 0 then redis.call('SET', KEYS[5], count, 'PX', ttl) end
+if rc > 0 then
+  redis.call('SADD', KEYS[7], ARGV[4])
+  redis.call('SET', KEYS[5], rc, 'PX', ttl)
+end
+redis.call('PEXPIRE', KEYS[7], ttl)
+redis.call('PEXPIRE', KEYS[5], ttl)
 local released = redis.call('EXISTS', KEYS[6]) == 1
-if not released and count > 0 and redis.call('SCARD', KEYS[4]) >= count then released = true end
+if not released and rc > 0 and redis.call('SCARD', KEYS[7]) >= rc then released = true end
 if released then redis.call('SET', KEYS[6], '1', 'PX', ttl) end
 for _, d in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   if d ~= ARGV[4] then redis.call('PEXPIRE', ARGV[6] .. d, ttl) end
@@ -300,6 +409,9 @@ return {redis.call('GET', KEYS[2]) or '0', redis.call('EXISTS', KEYS[3]), recs, 
 
 // Lookup implements Store.
 func (r *Redis) Lookup(ctx context.Context, k Key) (Record, bool, bool, error) {
+	if rec := r.held(k); rec != nil {
+		return *rec, true, false, nil
+	}
 	ks := r.keys(k)
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
@@ -324,15 +436,15 @@ func (r *Redis) Lookup(ctx context.Context, k Key) (Record, bool, bool, error) {
 // the script again after a lost reply, and the script then finds its own
 // token and grants the claim again instead of answering Busy.
 func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error) {
+	if rec := r.held(k); rec != nil {
+		return Claim{State: StateRecorded, Record: rec}, nil
+	}
 	ks := r.keys(k)
-	val := make([]byte, claimValueLen)
-	_, _ = rand.Read(val[:tokenLen]) // never fails (crypto/rand)
-	binary.BigEndian.PutUint64(val[tokenLen:], fp.SessionID)
-	binary.BigEndian.PutUint64(val[tokenLen+8:], fp.BufferAddress)
+	val := claimValue(newToken(), fp)
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
-	res, err := claimScript.Run(octx, r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims},
-		val, r.claimTTL.Milliseconds(), k.Dest).Slice()
+	res, err := claimScript.Run(octx, r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims, ks.dests},
+		val, r.claimTTL.Milliseconds(), k.Dest, r.maxDests, ks.claimPrefix).Slice()
 	if err != nil {
 		// The claim may have been made with its reply lost; nobody else
 		// could end it before it expires, so try once to end it now.
@@ -353,6 +465,9 @@ func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 		return Claim{State: StateRecorded, Record: rec}, nil
 	case state == 2:
 		return Claim{State: StateReleased}, nil
+	case state == 4:
+		return Claim{}, &DestinationLimitError{ReqID: k.ReqID, Dest: k.Dest, Limit: r.maxDests,
+			Bound: "idempotency.max_destinations_per_req_id"}
 	case state == 3 && len(res) == 2:
 		s, _ := res[1].(string)
 		if len(s) != claimValueLen {
@@ -366,19 +481,46 @@ func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	return Claim{}, fmt.Errorf("idempotency: claim: unexpected reply %v", res)
 }
 
+// newToken returns a fresh random claim token.
+func newToken() string {
+	var b [tokenLen]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return string(b[:])
+}
+
+// claimValue is a claim's stored value: the token, then fp.
+func claimValue(tok string, fp Fingerprint) []byte {
+	val := make([]byte, 0, claimValueLen)
+	val = append(val, tok...)
+	val = binary.BigEndian.AppendUint64(val, fp.SessionID)
+	return binary.BigEndian.AppendUint64(val, fp.BufferAddress)
+}
+
 // Complete implements Store. The first record of a key is kept (as in the
 // memory store); the claim on k ends whoever holds it, since with a record
 // in place the key needs no claim. The encoder has had the /send by now, so
 // the caller's cancellation or deadline does not stop the write; the store's
-// own bound (dial_timeout + timeout) does.
+// own bound (dial_timeout + timeout) does. A write Redis refuses, or that
+// gets no answer, is kept here and retried (holdCompletion), and Complete
+// returns an error matching ErrCompletionPending.
 func (r *Redis) Complete(ctx context.Context, k Key, rec *Record, receiveCount int) (bool, error) {
 	ctx = context.WithoutCancel(ctx)
-	r.takeToken(k)
+	tok := r.takeToken(k)
+	released, err := r.complete(ctx, k, rec, receiveCount)
+	if err != nil {
+		return false, r.holdCompletion(k, tok, rec, receiveCount, err)
+	}
+	r.stored()
+	return released, nil
+}
+
+// complete runs the complete script once.
+func (r *Redis) complete(ctx context.Context, k Key, rec *Record, receiveCount int) (bool, error) {
 	ks := r.keys(k)
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
 	n, err := completeScript.Run(octx, r.c,
-		[]string{ks.rec, ks.claim, ks.claims, ks.dests, ks.count, ks.rel},
+		[]string{ks.rec, ks.claim, ks.claims, ks.dests, ks.count, ks.rel, ks.counted},
 		encodeRecord(rec), r.ttlMS, max(receiveCount, 0), k.Dest, ks.done, ks.recPrefix).Int64()
 	if err != nil {
 		return false, r.fail(ctx, "complete", err)
@@ -392,10 +534,10 @@ func (r *Redis) Complete(ctx context.Context, k Key, rec *Record, receiveCount i
 // claim_ttl.
 func (r *Redis) Abandon(ctx context.Context, k Key) error {
 	tok := r.takeToken(k)
-	if tok == "" {
+	if tok.token == "" {
 		return nil
 	}
-	return r.abandon(context.WithoutCancel(ctx), k, tok)
+	return r.abandon(context.WithoutCancel(ctx), k, tok.token)
 }
 
 func (r *Redis) abandon(ctx context.Context, k Key, tok string) error {
@@ -411,6 +553,9 @@ func (r *Redis) abandon(ctx context.Context, k Key, tok string) error {
 // Await implements Store: it returns when k has a record (ok), when no
 // claim on k is left without one (!ok), or when ctx ends (its error).
 func (r *Redis) Await(ctx context.Context, k Key) (*Record, bool, error) {
+	if rec := r.held(k); rec != nil {
+		return rec, true, nil
+	}
 	ks := r.keys(k)
 	h, err := r.startHub()
 	if err != nil {
@@ -421,6 +566,14 @@ func (r *Redis) Await(ctx context.Context, k Key) (*Record, bool, error) {
 	tick := time.NewTicker(r.poll)
 	defer tick.Stop()
 	for {
+		// The holder's answer, published while Redis refuses to store it:
+		// the claim stays until it is stored, so this is the only way to
+		// have it meanwhile.
+		if p := w.published.Load(); p != nil {
+			if rec, err := decodeRecord(*p); err == nil {
+				return rec, true, nil
+			}
+		}
 		octx, cancel := r.opCtx(ctx)
 		v, err := getOrExistsScript.Run(octx, r.c, []string{ks.rec, ks.claim}).Result()
 		cancel()
@@ -532,7 +685,7 @@ func (e *unavailableError) Is(target error) bool { return target == ErrUnavailab
 // that Complete or Abandon never took (a caller that stopped in between)
 // are dropped once their claim has expired.
 func (r *Redis) keepToken(k Key, tok string) {
-	now := time.Now()
+	now := r.clk.Now()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if now.After(r.nextPrune) {
@@ -573,14 +726,15 @@ func (r *Redis) cleanup(k Key, tok string) {
 	}()
 }
 
-// takeToken forgets and returns the token of this process's claim on k.
-func (r *Redis) takeToken(k Key) string {
+// takeToken forgets and returns this process's claim on k (a zero
+// claimToken when it holds none).
+func (r *Redis) takeToken(k Key) claimToken {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	t, ok := r.tokens[k]
 	if !ok {
-		return ""
+		return claimToken{}
 	}
 	delete(r.tokens, k)
-	return t.token
+	return t
 }

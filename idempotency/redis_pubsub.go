@@ -2,7 +2,9 @@ package idempotency
 
 import (
 	"context"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -22,6 +24,10 @@ func (r *Redis) startHub() (*redisHub, error) {
 	return r.hub, nil
 }
 
+// publishedRecord starts a done-channel message that carries the holder's
+// record (encodeRecord) rather than only saying the claim ended.
+const publishedRecord = "r"
+
 // redisHub shares one pub/sub connection among the waiters of a Redis.
 type redisHub struct {
 	ps      *redis.PubSub
@@ -38,8 +44,9 @@ type redisHub struct {
 }
 
 type redisWaiter struct {
-	channel string
-	wake    chan struct{} // capacity 1: something may have changed
+	channel   string
+	wake      chan struct{}          // capacity 1: something may have changed
+	published atomic.Pointer[string] // the holder's record, published while Redis refuses to store it
 }
 
 func newRedisHub(c *redis.Client, timeout time.Duration, log *zap.Logger) *redisHub {
@@ -65,9 +72,13 @@ func (h *redisHub) read(msgs <-chan any) {
 	defer h.wg.Done()
 	for m := range msgs {
 		var ch string
+		var rec *string
 		switch m := m.(type) {
 		case *redis.Message:
 			ch = m.Channel
+			if p, ok := strings.CutPrefix(m.Payload, publishedRecord); ok {
+				rec = &p
+			}
 		case *redis.Subscription:
 			if m.Kind != "subscribe" {
 				continue
@@ -78,6 +89,9 @@ func (h *redisHub) read(msgs <-chan any) {
 		}
 		h.mu.Lock()
 		for w := range h.waiters[ch] {
+			if rec != nil {
+				w.published.Store(rec)
+			}
 			select {
 			case w.wake <- struct{}{}:
 			default:

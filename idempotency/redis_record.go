@@ -6,15 +6,17 @@ import (
 	"fmt"
 )
 
-// encodeRecord writes rec in the version-1 layout described on Redis.
+// encodeRecord writes rec in the version-2 layout described on Redis.
 func encodeRecord(rec *Record) []byte {
-	b := make([]byte, 0, 1+3*binary.MaxVarintLen64+16+len(rec.ContentType)+len(rec.Body))
+	b := make([]byte, 0, 1+4*binary.MaxVarintLen64+16+len(rec.ContentType)+len(rec.Encoder)+len(rec.Body))
 	b = append(b, recordVersion)
 	b = binary.AppendVarint(b, int64(rec.Status))
 	b = binary.BigEndian.AppendUint64(b, rec.FP.SessionID)
 	b = binary.BigEndian.AppendUint64(b, rec.FP.BufferAddress)
 	b = binary.AppendUvarint(b, uint64(len(rec.ContentType)))
 	b = append(b, rec.ContentType...)
+	b = binary.AppendUvarint(b, uint64(len(rec.Encoder)))
+	b = append(b, rec.Encoder...)
 	b = binary.AppendUvarint(b, uint64(len(rec.Body)))
 	return append(b, rec.Body...)
 }
@@ -22,13 +24,14 @@ func encodeRecord(rec *Record) []byte {
 // errCorruptRecord is returned for a stored value that is not a record.
 var errCorruptRecord = errors.New("corrupt record")
 
-// decodeRecord reads a version-1 record; anything else, truncated or with
-// bytes left over, is errCorruptRecord.
+// decodeRecord reads a version-2 record, or a version-1 one (no encoder);
+// anything else, truncated or with bytes left over, is errCorruptRecord.
 func decodeRecord(s string) (*Record, error) {
 	b := []byte(s)
-	if len(b) == 0 || b[0] != recordVersion {
+	if len(b) == 0 || b[0] != recordVersion && b[0] != 1 {
 		return nil, fmt.Errorf("%w: unknown version", errCorruptRecord)
 	}
+	version := b[0]
 	b = b[1:]
 	status, n := binary.Varint(b)
 	if n <= 0 || int64(int(status)) != status {
@@ -46,6 +49,13 @@ func decodeRecord(s string) (*Record, error) {
 	ct, b, ok := lengthPrefixed(b)
 	if !ok {
 		return nil, fmt.Errorf("%w: bad content type", errCorruptRecord)
+	}
+	if version >= 2 {
+		var enc []byte
+		if enc, b, ok = lengthPrefixed(b); !ok {
+			return nil, fmt.Errorf("%w: bad encoder", errCorruptRecord)
+		}
+		rec.Encoder = string(enc)
 	}
 	body, b, ok := lengthPrefixed(b)
 	if !ok || len(b) != 0 {

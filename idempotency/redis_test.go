@@ -3,6 +3,7 @@ package idempotency
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -27,6 +28,7 @@ const hangGuard = 15 * time.Second
 
 type redisOpts struct {
 	ttl, claimTTL, poll time.Duration
+	maxDests            int // 0: the default
 }
 
 // newRedisStore returns a store (a "replica") on srv. By default waiters
@@ -47,7 +49,7 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	cfg.KeyPrefix = "t:"
 	cfg.PoolSize = 16
 	cfg.PollInterval = configfile.Duration(o.poll)
-	r, err := NewRedis(cfg, o.ttl, o.claimTTL, zap.NewNop())
+	r, err := NewRedis(cfg, o.ttl, o.claimTTL, o.maxDests, clock.Real{}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,18 +230,22 @@ func TestRedisReceiveCount(t *testing.T) {
 	srv := redistest.Start(t)
 	r := newRedisStore(t, srv, redisOpts{})
 	dest := func(i int) Key { return Key{"rc", fmt.Sprintf("10.0.0.1:%d", 40000+i)} }
-	// The first positive receive_count counts; later ones do not change it.
+	// Each /send's own receive_count is compared with the destinations
+	// counted so far, and only /sends with one are counted (sglang NEW).
 	if mustComplete(t, r, dest(0), recN(0, fpN(1)), 0) || mustComplete(t, r, dest(1), recN(1, fpN(1)), 3) {
 		t.Fatal("released early")
 	}
 	if mustComplete(t, r, dest(1), recN(1, fpN(1)), 2) {
-		t.Fatal("a later receive_count replaced the first")
+		t.Fatal("a repeated destination counted twice")
 	}
-	if !mustComplete(t, r, dest(2), recN(2, fpN(1)), 0) {
-		t.Fatal("not released at the third destination")
+	if mustComplete(t, r, dest(2), recN(2, fpN(1)), 0) {
+		t.Fatal("a /send without receive_count released the req_id")
+	}
+	if !mustComplete(t, r, dest(3), recN(3, fpN(1)), 2) {
+		t.Fatal("not released when a /send's own receive_count (2) was reached")
 	}
 	v, err := r.Inspect(context.Background(), "rc")
-	if err != nil || v.ReceiveCount != 3 || v.Done != 3 || !v.Released {
+	if err != nil || v.ReceiveCount != 2 || v.Done != 4 || !v.Released {
 		t.Fatalf("Inspect = %+v, %v", v, err)
 	}
 	// Without receive_count a req_id is never released.
@@ -283,15 +289,16 @@ func TestRedisClaimScriptIsRepeatable(t *testing.T) {
 	srv := redistest.Start(t)
 	r := newRedisStore(t, srv, redisOpts{})
 	ks := r.keys(Key{"rep", "h:1"})
+	keys := []string{ks.rec, ks.rel, ks.claim, ks.claims, ks.dests}
 	val := strings.Repeat("T", tokenLen) + strings.Repeat("\x00", 16)
 	for i := range 2 {
-		res, err := claimScript.Run(context.Background(), r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims}, val, 30000, "h:1").Slice()
+		res, err := claimScript.Run(context.Background(), r.c, keys, val, 30000, "h:1", 1024, ks.claimPrefix).Slice()
 		if err != nil || res[0].(int64) != 0 {
 			t.Fatalf("run %d: %v, %v", i, res, err)
 		}
 	}
 	other := strings.Repeat("U", tokenLen) + strings.Repeat("\x00", 16)
-	res, err := claimScript.Run(context.Background(), r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims}, other, 30000, "h:1").Slice()
+	res, err := claimScript.Run(context.Background(), r.c, keys, other, 30000, "h:1", 1024, ks.claimPrefix).Slice()
 	if err != nil || res[0].(int64) != 3 {
 		t.Fatalf("other token: %v, %v", res, err)
 	}
@@ -339,9 +346,9 @@ func TestRedisEveryKeyExpires(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]time.Duration{
-		"t:{ttl}:rec:h:0": ttl, "t:{ttl}:rec:h:1": ttl, "t:{ttl}:dests": ttl, "t:{ttl}:count": ttl,
+		"t:{ttl}:rec:h:0": ttl, "t:{ttl}:rec:h:1": ttl, "t:{ttl}:dests": ttl, "t:{ttl}:count": ttl, "t:{ttl}:counted": ttl,
 		"t:{ttl}:claim:h:2": claimTTL, "t:{ttl}:claims": claimTTL,
-		"t:{rel}:rec:h:0": ttl, "t:{rel}:dests": ttl, "t:{rel}:count": ttl, "t:{rel}:rel": ttl,
+		"t:{rel}:rec:h:0": ttl, "t:{rel}:dests": ttl, "t:{rel}:count": ttl, "t:{rel}:counted": ttl, "t:{rel}:rel": ttl,
 	}
 	if len(keys) != len(want) {
 		t.Errorf("keys = %q, want those of %v", keys, want)
@@ -525,7 +532,9 @@ func TestRedisUnavailableAndBack(t *testing.T) {
 		"Lookup": func() error { _, _, err := lookup(a, ctx, k); return err },
 		"Claim":  func() error { _, err := a.Claim(ctx, k2, fpN(1)); return err },
 		"Complete": func() error {
-			_, err := a.Complete(ctx, k2, recN(2, fpN(1)), 1)
+			// Its own key: the record is held here from now on, and would
+			// answer the other calls on it.
+			_, err := a.Complete(ctx, Key{"down", "completed"}, recN(2, fpN(1)), 1)
 			return err
 		},
 		"Abandon": func() error {
@@ -573,7 +582,7 @@ func TestRedisNeverReachable(t *testing.T) {
 	srv.Kill()
 	cfg := DefaultConfig().Redis
 	cfg.Addr = addr
-	r, err := NewRedis(cfg, time.Minute, time.Minute, nil)
+	r, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -587,14 +596,14 @@ func TestRedisNeverReachable(t *testing.T) {
 
 func TestNewRedisRejectsBadArguments(t *testing.T) {
 	cfg := DefaultConfig().Redis
-	if _, err := NewRedis(cfg, 0, time.Minute, nil); err == nil {
+	if _, err := NewRedis(cfg, 0, time.Minute, 0, nil, nil); err == nil {
 		t.Error("ttl 0 accepted")
 	}
-	if _, err := NewRedis(cfg, time.Minute, time.Microsecond, nil); err == nil {
+	if _, err := NewRedis(cfg, time.Minute, time.Microsecond, 0, nil, nil); err == nil {
 		t.Error("claim_ttl under 1ms accepted")
 	}
 	cfg.Addr = ""
-	if _, err := NewRedis(cfg, time.Minute, time.Minute, nil); err == nil {
+	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil); err == nil {
 		t.Error("empty addr accepted")
 	}
 }
@@ -672,4 +681,32 @@ func TestRedisSendsAcrossReplicas(t *testing.T) {
 		t.Fatalf("outcomes %v", outcomes)
 	}
 	t.Logf("outcomes: forwarded %d, inflight %d, replayed %d", outcomes[Forwarded], outcomes[Inflight], outcomes[Replayed])
+}
+
+// A stored record keeps the encoder that answered; a version-1 record
+// (written before it had one) still reads, without it.
+func TestRecordKeepsItsEncoder(t *testing.T) {
+	rec := &Record{Status: 200, ContentType: "application/json", Body: []byte("null"), FP: Fingerprint{1, 2}, Encoder: "enc-7"}
+	back, err := decodeRecord(string(encodeRecord(rec)))
+	if err != nil || back.Encoder != "enc-7" || back.Status != 200 || string(back.Body) != "null" || back.FP != rec.FP {
+		t.Fatalf("round trip: %+v %v", back, err)
+	}
+	v1 := []byte{1}
+	v1 = binary.AppendVarint(v1, 200)
+	v1 = binary.BigEndian.AppendUint64(v1, 1)
+	v1 = binary.BigEndian.AppendUint64(v1, 2)
+	v1 = append(binary.AppendUvarint(v1, 4), "text"...)
+	v1 = append(binary.AppendUvarint(v1, 4), "null"...)
+	old, err := decodeRecord(string(v1))
+	if err != nil || old.Encoder != "" || old.ContentType != "text" || string(old.Body) != "null" {
+		t.Fatalf("version 1: %+v %v", old, err)
+	}
+	m := NewMemory(100, 16, time.Minute, clock.NewFake(time.Unix(0, 0)))
+	k := NewKey("r", "h", 1)
+	if _, err := m.Complete(context.Background(), k, rec, 1); err != nil {
+		t.Fatal(err)
+	}
+	if got, found, _, _ := m.Lookup(context.Background(), k); !found || got.Encoder != "enc-7" {
+		t.Fatalf("memory store: %+v %v", got, found)
+	}
 }

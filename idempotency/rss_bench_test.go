@@ -96,7 +96,7 @@ func fillRSS(b *testing.B, records, tp int) rssResult {
 	clk := clock.NewFake(t0)
 	cfg := DefaultConfig()
 	capacity := max(cfg.Capacity, 2*records)
-	m := NewMemory(capacity, cfg.TTL.D(), clk)
+	m := NewMemory(capacity, cfg.MaxDestinationsPerReqID, cfg.TTL.D(), clk)
 	sends := NewSends(m, cfg, clk, zap.NewNop(), NewMetrics(prometheus.NewRegistry(), m))
 	deadline := clk.Now().Add(time.Minute)
 	for i := 0; i < records/tp; i++ {

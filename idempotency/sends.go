@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/sglang"
 )
 
 // Outcome says how a /send was answered.
@@ -26,6 +27,7 @@ const (
 	Unavailable                // the store could not be reached (503)
 	FailedOpen                 // the store could not be reached; forwarded without dedupe
 	WaitTimeout                // the call it coalesced on outlived this caller's deadline (504)
+	Failed                     // answered by the gateway: an envelope of Result.Status naming Result.Err
 )
 
 // Answer is an HTTP answer as stored and replayed.
@@ -33,6 +35,10 @@ type Answer struct {
 	Status      int
 	ContentType string
 	Body        []byte
+	// Encoder names the encoder that answered ("" when none did), so a
+	// replay can say which encoder it concerns after the req_id's pin is
+	// gone.
+	Encoder string
 }
 
 // Result is what Sends.Do decided.
@@ -41,7 +47,10 @@ type Result struct {
 	Answer   Answer // for Inflight and Replayed: the answer to give
 	Field    string // for Conflict: the differing field
 	Released bool   // for Forwarded: this answer released the req_id
-	Err      error  // for Unavailable and FailedOpen
+	Err      error  // for Unavailable, FailedOpen and Failed
+	// Status is Failed's: 400 for a destination past the req_id's bound
+	// (Err is a *DestinationLimitError), 500 for a forward that panicked.
+	Status int
 }
 
 // ForwardFunc sends the call to the encoder and returns the answer the
@@ -67,15 +76,47 @@ type flightShard struct {
 	flights map[Key]*flight
 }
 
-// flight is one forwarded /send that identical calls wait on.
+// flight is one forwarded /send that identical calls wait on. It stays
+// small: one is allocated per forwarded /send, and a larger one was seen to
+// cost the memory store ~25 B per record in fragmented heap spans.
 type flight struct {
-	fp   Fingerprint
-	done chan struct{} // closed once answer is set
-	ans  Answer
+	fp      Fingerprint
+	done    chan struct{} // closed once ans or refusal is set
+	ans     Answer        // the leader's answer, when it has one
+	refusal *Result       // else what refused the leader
 }
 
-// NewSends returns a deduplicator over store.
+// settle records the leader's result for its waiters.
+func (f *flight) settle(r Result) {
+	switch r.Outcome {
+	case Forwarded, FailedOpen, Replayed, Inflight:
+		f.ans, f.refusal = r.Answer, nil
+	default:
+		f.refusal = &Result{Outcome: r.Outcome, Field: r.Field, Err: r.Err, Status: r.Status}
+	}
+}
+
+// forWaiter is what a caller coalesced on f gets: the leader's answer when
+// there is one, else the leader's own refusal (a waiter has the leader's
+// fingerprint, so whatever refused the leader refuses it too).
+func (f *flight) forWaiter() Result {
+	if f.refusal != nil {
+		return *f.refusal
+	}
+	return Result{Outcome: Inflight, Answer: f.ans}
+}
+
+// leaderLost is what waiters get if their leader ended without a result
+// (a panic that escaped even its own recovery). Never modified.
+var leaderLost = Result{Outcome: Failed, Status: 500,
+	Err: errors.New("the identical /send this call waited on ended without an answer")}
+
+// NewSends returns a deduplicator over store. A store that counts its own
+// events (Redis: refused and held completions) gets m.
 func NewSends(store Store, cfg Config, clk clock.Clock, log *zap.Logger, m *Metrics) *Sends {
+	if o, ok := store.(interface{ observe(*Metrics) }); ok {
+		o.observe(m)
+	}
 	s := &Sends{store: store, clk: clk, log: log, m: m, failOpen: cfg.Redis.FailOpen, claimTTL: cfg.ClaimTTL.D()}
 	for i := range s.shards {
 		s.shards[i].flights = make(map[Key]*flight)
@@ -105,7 +146,7 @@ func (s *Sends) Do(ctx context.Context, req Send, deadline time.Time, forward Fo
 	k := req.Key
 	rec, found, released, err := s.store.Lookup(ctx, k)
 	if err != nil {
-		return s.storeDown(err, deadline, forward)
+		return s.storeDownRecovering(ctx, req, err, deadline, forward)
 	}
 	if found || released {
 		return s.fromStore(&rec, found, released, req.FP)
@@ -116,16 +157,18 @@ func (s *Sends) Do(ctx context.Context, req Send, deadline time.Time, forward Fo
 		fs.mu.Unlock()
 		return s.join(f, req.FP, deadline)
 	}
-	f := &flight{fp: req.FP, done: make(chan struct{})}
+	f := &flight{fp: req.FP, done: make(chan struct{}), refusal: &leaderLost}
 	fs.flights[k] = f
 	fs.mu.Unlock()
-
-	res := s.lead(ctx, req, deadline, forward)
-	f.ans = res.Answer
-	fs.mu.Lock()
-	delete(fs.flights, k)
-	fs.mu.Unlock()
-	close(f.done)
+	// Whatever happens to the leader, its waiters are let go.
+	defer func() {
+		fs.mu.Lock()
+		delete(fs.flights, k)
+		fs.mu.Unlock()
+		close(f.done)
+	}()
+	res := s.leadRecovering(ctx, req, deadline, forward)
+	f.settle(res)
 	return res
 }
 
@@ -141,7 +184,7 @@ func (s *Sends) fromStore(rec *Record, found, released bool, fp Fingerprint) Res
 		return Result{Outcome: Conflict, Field: field}
 	}
 	s.m.replay.Inc()
-	return Result{Outcome: Replayed, Answer: Answer{rec.Status, rec.ContentType, rec.Body}}
+	return Result{Outcome: Replayed, Answer: Answer{rec.Status, rec.ContentType, rec.Body, rec.Encoder}}
 }
 
 // join waits for the flight f until the caller's deadline.
@@ -154,20 +197,109 @@ func (s *Sends) join(f *flight, fp Fingerprint, deadline time.Time) Result {
 	defer t.Stop()
 	select {
 	case <-f.done:
-		s.m.inflight.Inc()
-		return Result{Outcome: Inflight, Answer: f.ans}
+		r := f.forWaiter()
+		if r.Outcome == Inflight {
+			s.m.inflight.Inc()
+		}
+		return r
 	case <-t.C():
 		s.m.waitTimeouts.Inc()
 		return Result{Outcome: WaitTimeout}
 	}
 }
 
+// leadState is how far a leader got, for leadRecovering.
+type leadState struct {
+	claimed    bool // it holds the store's claim on the key
+	forwarding bool // forward was called: the /send may have reached the encoder
+}
+
+// leadRecovering is lead, with a panic turned into an answer. fasthttp
+// does not recover a handler's panic: it would take the whole gateway
+// down, and with it every other caller. So the panic is logged with its
+// stack, counted, and answered with a 500 envelope; the flight's waiters
+// get the same (Do closes the flight however the leader ends).
+//
+// What happens to the key depends on how far the leader got. Before forward
+// was called nothing reached the encoder: the claim is abandoned and the
+// caller may send again. Once forward was called, the /send may have reached
+// the encoder (the panic may come after the exchange, while the answer is
+// copied), so the claim is not abandoned: the 500 is stored as the key's
+// record, as a timeout's 504 is, and the /send is never sent twice.
+//
+// (No closure is passed in: one allocated per forwarded /send lands in the
+// size class of the memory store's entries and fragments their spans.)
+func (s *Sends) leadRecovering(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc) (res Result) {
+	var st leadState
+	defer func() {
+		if p := recover(); p != nil {
+			res = s.recovered(ctx, req, st, p)
+		}
+	}()
+	return s.lead(ctx, req, deadline, forward, &st)
+}
+
+// storeDownRecovering is storeDown (its fail-open forward) with a panic
+// turned into an answer, as leadRecovering.
+func (s *Sends) storeDownRecovering(ctx context.Context, req Send, err error, deadline time.Time, forward ForwardFunc) (res Result) {
+	var st leadState
+	defer func() {
+		if p := recover(); p != nil {
+			res = s.recovered(ctx, req, st, p)
+		}
+	}()
+	return s.storeDown(err, deadline, forward, &st)
+}
+
+// recovered logs and counts the panic p of a leader that got as far as st,
+// and settles its key.
+func (s *Sends) recovered(ctx context.Context, req Send, st leadState, p any) Result {
+	s.m.panics.Inc()
+	s.log.Error("forwarding a /send panicked; its caller and waiters get a 500",
+		zap.String("req_id", req.Key.ReqID), zap.String("destination", req.Key.Dest),
+		zap.Bool("may_have_reached_encoder", st.forwarding), zap.Any("panic", p), zap.Stack("stack"))
+	return s.afterPanic(ctx, req, st)
+}
+
+// afterPanic settles the key of a leader that panicked (see leadRecovering).
+// Its own store calls are guarded too: a panic here must not escape either.
+func (s *Sends) afterPanic(ctx context.Context, req Send, st leadState) Result {
+	msg := "internal error in the gateway before this /send was forwarded; it was not sent and may be sent again"
+	if st.forwarding {
+		msg = "internal error in the gateway while forwarding this /send; it may have reached the encoder, so it is not sent again"
+	}
+	res := Result{Outcome: Failed, Status: 500, Err: errors.New(msg)}
+	if !st.claimed {
+		return res
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			s.log.Error("settling the key of a panicked /send panicked too; its claim expires with idempotency.claim_ttl",
+				zap.String("req_id", req.Key.ReqID), zap.Any("panic", p))
+		}
+	}()
+	if !st.forwarding {
+		s.abandon(ctx, req.Key)
+		return res
+	}
+	reqID := req.Key.ReqID
+	rec := &Record{Status: 500, ContentType: "application/json",
+		Body: sglang.AppendEnvelope(nil, "encgate: "+msg, &reqID), FP: req.FP}
+	s.complete(ctx, req, rec)
+	return res
+}
+
 // lead runs the claim protocol for the first caller of a key in process.
-func (s *Sends) lead(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc) Result {
+func (s *Sends) lead(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc, st *leadState) Result {
 	for {
 		c, err := s.store.Claim(ctx, req.Key, req.FP)
 		if err != nil {
-			return s.storeDown(err, deadline, forward)
+			var limit *DestinationLimitError
+			if errors.As(err, &limit) {
+				s.m.destLimit.Inc()
+				return Result{Outcome: Failed, Status: 400, Err: err}
+			}
+			return s.storeDown(err, deadline, forward, st)
 		}
 		switch c.State {
 		case StateRecorded:
@@ -180,7 +312,8 @@ func (s *Sends) lead(ctx context.Context, req Send, deadline time.Time, forward 
 			}
 			continue // the other replica delivered nothing: claim again
 		}
-		return s.forwardClaimed(ctx, req, deadline, forward)
+		st.claimed = true
+		return s.forwardClaimed(ctx, req, deadline, forward, st)
 	}
 }
 
@@ -199,7 +332,7 @@ func (s *Sends) awaitOther(ctx context.Context, req Send, holder Fingerprint, de
 		s.m.waitTimeouts.Inc()
 		return Result{Outcome: WaitTimeout}, false
 	case err != nil:
-		return s.storeDown(err, deadline, nil), false
+		return s.storeDown(err, deadline, nil, nil), false
 	case !ok:
 		return Result{}, true
 	}
@@ -208,39 +341,59 @@ func (s *Sends) awaitOther(ctx context.Context, req Send, holder Fingerprint, de
 		return Result{Outcome: Conflict, Field: field}, false
 	}
 	s.m.inflight.Inc()
-	return Result{Outcome: Inflight, Answer: Answer{rec.Status, rec.ContentType, rec.Body}}, false
+	return Result{Outcome: Inflight, Answer: Answer{rec.Status, rec.ContentType, rec.Body, rec.Encoder}}, false
 }
 
-func (s *Sends) forwardClaimed(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc) Result {
+func (s *Sends) forwardClaimed(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc, st *leadState) Result {
 	timeout := min(deadline.Sub(s.clk.Now()), s.claimTTL)
+	st.forwarding = true
 	ans, delivered := forward(timeout)
 	s.m.forwarded.Inc()
 	res := Result{Outcome: Forwarded, Answer: ans}
 	if !delivered {
-		if err := s.store.Abandon(ctx, req.Key); err != nil {
-			s.m.storeErrors.WithLabelValues("abandon").Inc()
-			s.log.Warn("abandoning a /send claim failed; it expires with idempotency.claim_ttl",
-				zap.String("req_id", req.Key.ReqID), zap.String("destination", req.Key.Dest), zap.Error(err))
-		}
+		st.forwarding = false // provably nothing reached the encoder
+		s.abandon(ctx, req.Key)
 		return res
 	}
-	rec := &Record{Status: ans.Status, ContentType: ans.ContentType, Body: ans.Body, FP: req.FP}
+	rec := &Record{Status: ans.Status, ContentType: ans.ContentType, Body: ans.Body, FP: req.FP, Encoder: ans.Encoder}
+	res.Released = s.complete(ctx, req, rec)
+	return res
+}
+
+// complete stores rec for req's key and reports whether that released the
+// req_id.
+func (s *Sends) complete(ctx context.Context, req Send, rec *Record) bool {
 	released, err := s.store.Complete(ctx, req.Key, rec, req.ReceiveCount)
-	if err != nil {
+	switch {
+	case errors.Is(err, ErrCompletionPending):
+		// Held by the store, which counts and logs it once per burst.
+		s.m.storeErrors.WithLabelValues("complete").Inc()
+	case err != nil:
 		s.m.storeErrors.WithLabelValues("complete").Inc()
 		s.log.Error("storing a /send answer failed: a duplicate may reach the encoder",
 			zap.String("req_id", req.Key.ReqID), zap.String("destination", req.Key.Dest), zap.Error(err))
 	}
-	res.Released = released
-	return res
+	return released
+}
+
+// abandon ends the claim on k: nothing reached the encoder.
+func (s *Sends) abandon(ctx context.Context, k Key) {
+	if err := s.store.Abandon(ctx, k); err != nil {
+		s.m.storeErrors.WithLabelValues("abandon").Inc()
+		s.log.Warn("abandoning a /send claim failed; it expires with idempotency.claim_ttl",
+			zap.String("req_id", k.ReqID), zap.String("destination", k.Dest), zap.Error(err))
+	}
 }
 
 // storeDown handles an unreachable store: 503, or forward without dedupe
 // when fail_open is set.
-func (s *Sends) storeDown(err error, deadline time.Time, forward ForwardFunc) Result {
+func (s *Sends) storeDown(err error, deadline time.Time, forward ForwardFunc, st *leadState) Result {
 	s.m.storeErrors.WithLabelValues("claim").Inc()
 	if s.failOpen && forward != nil {
 		s.m.failOpen.Inc()
+		if st != nil {
+			st.forwarding = true
+		}
 		ans, _ := forward(min(deadline.Sub(s.clk.Now()), s.claimTTL))
 		s.m.forwarded.Inc()
 		return Result{Outcome: FailedOpen, Answer: ans, Err: err}

@@ -16,7 +16,7 @@ import (
 func newSends(t *testing.T) (*Sends, *Memory, *clock.Fake, *prometheus.Registry) {
 	t.Helper()
 	clk := clock.NewFake(t0)
-	mem := NewMemory(1000, time.Minute, clk)
+	mem := NewMemory(1000, 1024, time.Minute, clk)
 	reg := prometheus.NewRegistry()
 	return NewSends(mem, DefaultConfig(), clk, zap.NewNop(), NewMetrics(reg, mem)), mem, clk, reg
 }
@@ -25,7 +25,7 @@ func sendReq(dest string, fp Fingerprint, n int) Send {
 	return Send{Key: Key{ReqID: "r", Dest: dest}, FP: fp, ReceiveCount: n}
 }
 
-var okAnswer = Answer{200, "application/json", []byte("null")}
+var okAnswer = Answer{200, "application/json", []byte("null"), "enc-0"}
 
 func TestSendsCoalesceThenReplay(t *testing.T) {
 	s, _, clk, reg := newSends(t)
@@ -134,7 +134,7 @@ func TestSendsUndeliveredIsNotStored(t *testing.T) {
 	calls := 0
 	fwd := func(time.Duration) (Answer, bool) {
 		calls++
-		return Answer{502, "application/json", []byte(`{"status":"error"}`)}, calls > 1
+		return Answer{502, "application/json", []byte(`{"status":"error"}`), "enc-0"}, calls > 1
 	}
 	if r := s.Do(bg, sendReq("h:1", Fingerprint{}, 0), clk.Now().Add(time.Hour), fwd); r.Outcome != Forwarded || r.Answer.Status != 502 {
 		t.Fatalf("%+v", r)

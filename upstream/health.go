@@ -195,6 +195,14 @@ func (h *Health) check(ctx context.Context) {
 	if ctx.Err() != nil {
 		return // stopping: a probe cut short says nothing about the encoder
 	}
+	if err != nil && LocalShortage(err) {
+		// This process ran out of descriptors or buffers to probe with:
+		// that says nothing about the encoder either.
+		h.mu.Lock()
+		h.snap.LastError = "not checked: " + err.Error()
+		h.mu.Unlock()
+		return
+	}
 	var changed bool
 	h.mu.Lock()
 	h.snap.Checks++

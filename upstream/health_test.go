@@ -6,8 +6,10 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -494,4 +496,25 @@ func TestHealthWithHTTPProber(t *testing.T) {
 	}
 	cancel()
 	<-done
+}
+
+// A probe this process could not even start (out of descriptors) is not a
+// failure of the encoder: however many, the encoder stays up, and its
+// streaks are as they were.
+func TestHealthIgnoresTheGatewaysOwnShortage(t *testing.T) {
+	cfg := DefaultHealth()
+	r := newHealthRig(t, cfg)
+	r.start()
+	r.step(errProbe503)
+	emfile := &DialError{Encoder: "enc-a", Err: &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", syscall.EMFILE)}}
+	for i := 0; i < 3*cfg.DownAfter; i++ {
+		r.step(emfile)
+	}
+	s := r.h.Snapshot()
+	if !r.h.Up() || s.ConsecutiveFailures != 1 || s.Checks != 1 || !strings.HasPrefix(s.LastError, "not checked: ") {
+		t.Fatalf("after the gateway's own shortage: up %v, %+v", r.h.Up(), s)
+	}
+	if _, _, results := r.record(); len(results) != 1 {
+		t.Fatalf("%d results reached the breaker's trial, want 1", len(results))
+	}
 }

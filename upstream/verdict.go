@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"strconv"
+	"syscall"
 
 	"github.com/valyala/fasthttp"
 
@@ -228,6 +229,12 @@ func judgeOutcome(rt *sglang.Route, ignore []Condition, t Target, o Observation)
 		return Verdict{Kind: KindRefused, Cause: CauseGateway, Status: fasthttp.StatusServiceUnavailable, Breaker: MarkIgnored,
 			Reason: ReasonConnectFailure, Label: "refused",
 			Message: "encgate: " + t.subject() + " has no free connection (upstream.max_conns_per_encoder)"}
+	case errors.As(err, &dial) && LocalShortage(dial.Err):
+		// The gateway could not open a socket (out of descriptors or
+		// buffers): its own shortage, which says nothing about the encoder.
+		return Verdict{Kind: KindRefused, Cause: CauseGateway, Status: fasthttp.StatusServiceUnavailable, Breaker: MarkIgnored,
+			Reason: ReasonConnectFailure, Label: "refused",
+			Message: "encgate: the gateway cannot open a connection to " + t.subject() + " now: " + dial.Err.Error() + "; nothing was sent"}
 	case errors.As(err, &dial):
 		return Verdict{Kind: KindDialFailed, Cause: CauseEncoder, Status: fasthttp.StatusBadGateway, Breaker: MarkFault,
 			Reason: ReasonConnectFailure, Label: "dial_error",
@@ -375,6 +382,14 @@ func rememberedVerdict(p Pin) Verdict {
 func noTimeVerdict(rt *sglang.Route, t Target) Verdict {
 	return Verdict{Kind: KindNoTime, Status: fasthttp.StatusGatewayTimeout, Encoder: t.Encoder,
 		Message: "encgate: no time was left within retry." + rt.Label + ".deadline to ask " + t.subject()}
+}
+
+// LocalShortage reports whether err is this process running out of a
+// resource to open a socket with (descriptors, kernel buffers, memory):
+// not the peer's fault.
+func LocalShortage(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
 }
 
 // isTimeout reports whether err is a timeout of an exchange.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/valyala/fasthttp"
@@ -83,6 +84,7 @@ func TestVerdictTable(t *testing.T) {
 		{"dial refused", enc, tgt, failed(&DialError{Encoder: "enc-3", Err: refused}), KindDialFailed, NotSent, CauseEncoder, 502, MarkFault, ReasonConnectFailure, true, "dial_error", "encgate: cannot connect to encoder enc-3 (http://10.0.0.3:30000): dial tcp: connect: connection refused"},
 		{"dial timeout is a dial failure", meta, tgt, failed(&DialError{Encoder: "enc-3", Err: &net.OpError{Op: "dial", Net: "tcp", Err: os.ErrDeadlineExceeded}}), KindDialFailed, NotSent, CauseEncoder, 502, MarkFault, ReasonConnectFailure, true, "dial_error", "encgate: cannot connect to encoder enc-3"},
 		{"agent dial refused", send, agent, failed(&DialError{Encoder: "enc-3 agent", Err: refused}), KindDialFailed, NotSent, CauseEncoder, 502, MarkFault, ReasonConnectFailure, true, "dial_error", "encgate: cannot connect to encoder enc-3's agent (http://10.0.0.3:7401)"},
+		{"the gateway out of descriptors", enc, tgt, failed(&DialError{Encoder: "enc-3", Err: &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", syscall.EMFILE)}}), KindRefused, NotSent, CauseGateway, 503, MarkIgnored, ReasonConnectFailure, true, "refused", "encgate: the gateway cannot open a connection to encoder enc-3 now"},
 		{"stale pooled connections", send, tgt, failed(&StaleConnError{Err: io.EOF}), KindStale, NotSent, CauseEncoder, 502, MarkFault, ReasonConnectFailure, true, "stale", "nothing was sent"},
 		{"max_inflight_per_encoder", enc, tgt, failed(&InflightLimitError{Encoder: "enc-3", Limit: 8}), KindRefused, NotSent, CauseGateway, 503, MarkIgnored, ReasonConnectFailure, true, "refused", "encgate: encoder enc-3 already has 8 requests in flight (limits.max_inflight_per_encoder); try again later"},
 		{"max_conns_per_encoder", meta, tgt, failed(fasthttp.ErrNoFreeConns), KindRefused, NotSent, CauseGateway, 503, MarkIgnored, ReasonConnectFailure, true, "refused", "encgate: encoder enc-3 has no free connection (upstream.max_conns_per_encoder)"},
