@@ -1,12 +1,10 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -45,61 +43,7 @@ func limitedCmd(t *testing.T, nofile string, args ...string) *exec.Cmd {
 // startLimitedGateway is startGatewayProc under RLIMIT_NOFILE soft:hard.
 func startLimitedGateway(t *testing.T, path, nofile string) *gatewayProc {
 	t.Helper()
-	cmd := limitedCmd(t, nofile, "gateway", "--config", path)
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &gatewayProc{cmd: cmd, exited: make(chan struct{})}
-	listening := make(chan [2]string, 1)
-	go func() {
-		defer close(p.exited)
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.lines = append(p.lines, sc.Text())
-			p.mu.Unlock()
-			var line struct {
-				Msg         string `json:"msg"`
-				Listen      string `json:"listen"`
-				AdminListen string `json:"admin_listen"`
-			}
-			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "gateway listening" {
-				listening <- [2]string{line.Listen, line.AdminListen}
-			}
-		}
-		_, _ = io.Copy(io.Discard, stderr)
-		_ = cmd.Wait()
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-p.exited:
-			return
-		default:
-		}
-		_ = cmd.Process.Signal(os.Interrupt)
-		select {
-		case <-p.exited:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-p.exited
-		}
-	})
-	select {
-	case addrs := <-listening:
-		p.base, p.admin = "http://"+addrs[0], "http://"+addrs[1]
-		return p
-	case <-p.exited:
-		t.Fatalf("gateway process exited before listening:\n%s", p.log())
-	case <-time.After(30 * time.Second):
-		_ = cmd.Process.Kill()
-		t.Fatalf("gateway process never said it was listening:\n%s", p.log())
-	}
-	return nil
+	return runGatewayProc(t, limitedCmd(t, nofile, "gateway", "--config", path))
 }
 
 // openFDsOf counts the descriptors process pid holds.

@@ -37,6 +37,13 @@ func startGatewayProc(t *testing.T, path string) *gatewayProc {
 	cmd := exec.Command(os.Args[0], "gateway", "--config", path)
 	cmd.SysProcAttr = dieWithTest
 	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
+	return runGatewayProc(t, cmd)
+}
+
+// runGatewayProc starts cmd, a gateway process, and returns once it says it
+// is listening; its log is kept, and it is stopped at cleanup.
+func runGatewayProc(t *testing.T, cmd *exec.Cmd) *gatewayProc {
+	t.Helper()
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

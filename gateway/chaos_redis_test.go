@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
@@ -47,23 +46,10 @@ func newRedisReplicas(t *testing.T, claimTTL time.Duration) *redisReplicas {
 		// rendezvous order at once, to the encoder the first placed it on.
 		cfg.Affinity.UnknownWait = 0
 	}, nil)
-	reg := prometheus.NewRegistry()
-	s, err := New(c.cfg, Deps{Log: zap.NewNop(), Registry: reg, Clock: c.clk, Rand: func() float64 { return 0 }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
+	other := serveGateway(t, c.cfg, zap.NewNop(), c.clk)
 	raw := redis.NewClient(&redis.Options{Addr: rd.Addr(), DisableIdentity: true})
 	t.Cleanup(func() { _ = raw.Close() })
-	return &redisReplicas{chaos: c, raw: raw,
-		other: &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}}
+	return &redisReplicas{chaos: c, raw: raw, other: other}
 }
 
 // replica is gateway i (0: c.g, 1: the other).

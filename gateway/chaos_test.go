@@ -139,26 +139,12 @@ func newChaos(t *testing.T, n int, mutate func(*Config), clk clock.Clock) *chaos
 	if clk == nil {
 		clk = clock.Real{}
 	}
-	reg := prometheus.NewRegistry()
-	// Zero jitter: full-jitter backoff waits 0, so retries need no clock.
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg, Clock: clk, Rand: func() float64 { return 0 }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
+	g := serveGateway(t, cfg, zap.NewNop(), clk)
 	tr := &http.Transport{MaxIdleConnsPerHost: 128}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &chaos{
 		t: t, encs: encs, clk: clk, cfg: cfg, tp: 2, dups: 3, ok200: map[string]bool{},
-		g:      &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg},
-		client: &http.Client{Transport: tr},
+		g: g, client: &http.Client{Transport: tr},
 	}
 }
 

@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -12,14 +11,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
-	"github.com/encgate/encgate/upstream"
 )
 
 // patient makes the gateway wait on a request for an hour: a request the
@@ -276,33 +273,6 @@ func TestFramingDecisions(t *testing.T) {
 			}
 		})
 	}
-}
-
-// startGatewayDeps is startGateway with the logger and clock given.
-func startGatewayDeps(t testing.TB, urls []string, mutate func(*Config), log *zap.Logger, clk clock.Clock) *gw {
-	t.Helper()
-	cfg := DefaultConfig()
-	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
-	for i, u := range urls {
-		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: "enc-" + string(rune('0'+i)), URL: u})
-	}
-	if mutate != nil {
-		mutate(&cfg)
-	}
-	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: log, Registry: reg, Clock: clk, Rand: func() float64 { return 0 }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	return &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}
 }
 
 // TestMalformedRequestsAreLoggedSampledAndNeverEchoed sends 1,000 malformed

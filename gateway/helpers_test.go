@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -69,6 +70,13 @@ func startGateway(t *testing.T, urls []string, mutate func(*Config)) *gw {
 // startGatewayWith is startGateway with the given logger.
 func startGatewayWith(t *testing.T, urls []string, mutate func(*Config), log *zap.Logger) *gw {
 	t.Helper()
+	return startGatewayDeps(t, urls, mutate, log, nil)
+}
+
+// startGatewayDeps is startGateway with the logger and clock (nil: the wall
+// clock) given.
+func startGatewayDeps(t testing.TB, urls []string, mutate func(*Config), log *zap.Logger, clk clock.Clock) *gw {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
 	for i, u := range urls {
@@ -77,9 +85,15 @@ func startGatewayWith(t *testing.T, urls []string, mutate func(*Config), log *za
 	if mutate != nil {
 		mutate(&cfg)
 	}
+	return serveGateway(t, cfg, log, clk)
+}
+
+// serveGateway starts a gateway with cfg and stops it at cleanup. Backoff
+// jitter is zero: full-jitter backoff waits 0, so retries need no sleeping.
+func serveGateway(t testing.TB, cfg Config, log *zap.Logger, clk clock.Clock) *gw {
+	t.Helper()
 	reg := prometheus.NewRegistry()
-	// Zero jitter: full-jitter backoff waits 0, so retries need no sleeping.
-	s, err := New(cfg, Deps{Log: log, Registry: reg, Rand: func() float64 { return 0 }})
+	s, err := New(cfg, Deps{Log: log, Registry: reg, Clock: clk, Rand: func() float64 { return 0 }})
 	if err != nil {
 		t.Fatal(err)
 	}

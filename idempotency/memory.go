@@ -88,77 +88,60 @@ type destRecord struct {
 	counted bool  // counted toward release (a /send with receive_count > 0)
 }
 
-// contentTypes interns the content types encoders answer with; index 0 is
-// "none". An unseen type is added while there is room, else stored as
-// application/octet-stream (never reached by sglang's encoders).
-var (
-	ctMu         sync.RWMutex
-	contentTypes = []string{"", "application/json", "text/plain; charset=utf-8"}
-)
-
-func internType(ct string) uint8 {
-	ctMu.RLock()
-	for i, t := range contentTypes {
-		if t == ct {
-			ctMu.RUnlock()
-			return uint8(i)
-		}
-	}
-	ctMu.RUnlock()
-	ctMu.Lock()
-	defer ctMu.Unlock()
-	if len(contentTypes) < 255 {
-		contentTypes = append(contentTypes, strings.Clone(ct))
-		return uint8(len(contentTypes) - 1)
-	}
-	return internType("application/octet-stream")
+// interned is a small table of strings that records name by a one-byte
+// index: a million records share a few distinct content types and encoder
+// names. Index 0 is fixed at creation.
+type interned struct {
+	mu    sync.RWMutex
+	names []string
 }
 
-func typeName(i uint8) string {
-	ctMu.RLock()
-	defer ctMu.RUnlock()
-	return contentTypes[i]
-}
-
-// encoderNames interns the names of the encoders that answered; index 0 is
-// "unknown". Names come from the config, so there are few; past 255 a
-// record keeps no name (its replay then names no encoder).
-var (
-	encMu        sync.RWMutex
-	encoderNames = []string{""}
-)
-
-func internEncoder(name string) uint8 {
-	if name == "" {
-		return 0
-	}
-	encMu.RLock()
-	for i, n := range encoderNames {
+// index returns name's index, adding it while there is room; a name that
+// does not fit is given fallback's index.
+func (t *interned) index(name, fallback string) uint8 {
+	t.mu.RLock()
+	for i, n := range t.names {
 		if n == name {
-			encMu.RUnlock()
+			t.mu.RUnlock()
 			return uint8(i)
 		}
 	}
-	encMu.RUnlock()
-	encMu.Lock()
-	defer encMu.Unlock()
-	for i, n := range encoderNames {
+	t.mu.RUnlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i, n := range t.names {
 		if n == name {
 			return uint8(i)
 		}
 	}
-	if len(encoderNames) < 256 {
-		encoderNames = append(encoderNames, strings.Clone(name))
-		return uint8(len(encoderNames) - 1)
+	if len(t.names) < 256 {
+		t.names = append(t.names, strings.Clone(name))
+		return uint8(len(t.names) - 1)
+	}
+	for i, n := range t.names {
+		if n == fallback {
+			return uint8(i)
+		}
 	}
 	return 0
 }
 
-func encoderName(i uint8) string {
-	encMu.RLock()
-	defer encMu.RUnlock()
-	return encoderNames[i]
+func (t *interned) name(i uint8) string {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.names[i]
 }
+
+var (
+	// contentTypes are the content types encoders answer with; index 0 is
+	// "none". An unseen type past 255 is stored as
+	// application/octet-stream (never reached by sglang's encoders).
+	contentTypes = &interned{names: []string{"", "application/json", "text/plain; charset=utf-8", "application/octet-stream"}}
+	// encoderNames are the encoders that answered; index 0 is "unknown".
+	// Names come from the config, so there are few; past 255 a record keeps
+	// no name (its replay then names no encoder).
+	encoderNames = &interned{names: []string{""}}
+)
 
 var nullBody = []byte("null")
 
@@ -167,12 +150,12 @@ func pack(dest string, r *Record) destRecord {
 	if string(body) == "null" {
 		body = nullBody
 	}
-	return destRecord{dest: dest, body: body, fp: r.FP, status: uint16(r.Status), ctype: internType(r.ContentType),
-		enc: internEncoder(r.Encoder)}
+	return destRecord{dest: dest, body: body, fp: r.FP, status: uint16(r.Status), ctype: contentTypes.index(r.ContentType, "application/octet-stream"),
+		enc: encoderNames.index(r.Encoder, "")}
 }
 
 func (d *destRecord) record() Record {
-	return Record{Status: int(d.status), ContentType: typeName(d.ctype), Body: d.body, FP: d.fp, Encoder: encoderName(d.enc)}
+	return Record{Status: int(d.status), ContentType: contentTypes.name(d.ctype), Body: d.body, FP: d.fp, Encoder: encoderNames.name(d.enc)}
 }
 
 var _ Store = (*Memory)(nil)
