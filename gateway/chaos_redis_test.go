@@ -8,9 +8,7 @@ package gateway
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -60,49 +58,10 @@ func (r *redisReplicas) replica(i int) *gw {
 	return r.other
 }
 
-// callAt is chaos.call against gateway g: the caller's deadline is the
-// route's bound plus slack, and the answer must be this request's.
+// callAt is chaos.callAt: the caller's deadline is the route's bound plus
+// slack, and the answer must be this request's.
 func (r *redisReplicas) callAt(g *gw, route, id, body, dest string) (reply, bool) {
-	c := r.chaos
-	limit := c.bound(route) + c.slack(route)
-	ctx, cancel := context.WithTimeout(context.Background(), limit)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+route, strings.NewReader(body))
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	c.mu.Lock()
-	c.calls++
-	c.mu.Unlock()
-	start := time.Now()
-	resp, err := c.client.Do(req)
-	var b []byte
-	if err == nil {
-		b, err = io.ReadAll(resp.Body)
-		resp.Body.Close()
-	}
-	if err != nil {
-		c.t.Errorf("%s %s via %s: no answer within %v (bound %v + slack %v), after %v: %v",
-			route, id, g.base, limit, c.bound(route), c.slack(route), time.Since(start).Round(time.Millisecond), err)
-		return reply{}, false
-	}
-	var v struct {
-		ReqID       *string `json:"req_id"`
-		Destination *string `json:"destination"`
-	}
-	if err := json.Unmarshal(b, &v); err != nil || v.ReqID == nil || *v.ReqID != id {
-		c.t.Errorf("%s %s: answer %d %q is not this request's", route, id, resp.StatusCode, b)
-	}
-	if route == routeSend && resp.StatusCode == http.StatusOK {
-		if v.Destination == nil || *v.Destination != dest {
-			c.t.Errorf("/send %s to %s: answer %q is another destination's", id, dest, b)
-		}
-		c.mu.Lock()
-		c.ok200[id+"|"+dest] = true
-		c.mu.Unlock()
-	}
-	return reply{resp.StatusCode, resp.Header, string(b)}, true
+	return r.chaos.callAt(g, route, id, body, dest)
 }
 
 // part is chaos.part across the replicas: /encode and the metadata pull

@@ -192,10 +192,15 @@ type reply struct {
 // checks the answer: it came in time, and it is this request's (its req_id;
 // a /send's 200 also its destination). ok is false when no answer came.
 func (c *chaos) call(route, id, body, dest string) (reply, bool) {
+	return c.callAt(c.g, route, id, body, dest)
+}
+
+// callAt is call against gateway g (a second replica, say).
+func (c *chaos) callAt(g *gw, route, id, body, dest string) (reply, bool) {
 	limit := c.bound(route) + c.slack(route)
 	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.g.base+route, strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+route, strings.NewReader(body))
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -211,8 +216,8 @@ func (c *chaos) call(route, id, body, dest string) (reply, bool) {
 		resp.Body.Close()
 	}
 	if err != nil {
-		c.t.Errorf("%s %s: no answer within %v (bound %v + slack %v), after %v: %v",
-			route, id, limit, c.bound(route), c.slack(route), time.Since(start).Round(time.Millisecond), err)
+		c.t.Errorf("%s %s via %s: no answer within %v (bound %v + slack %v), after %v: %v",
+			route, id, g.base, limit, c.bound(route), c.slack(route), time.Since(start).Round(time.Millisecond), err)
 		return reply{}, false
 	}
 	var v struct {

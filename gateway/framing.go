@@ -221,24 +221,15 @@ func (f *framer) scan(b []byte) (int, *framingError) {
 	for i := 0; i < len(b); i++ {
 		c := b[i]
 		switch f.st {
-		case stBody:
-			n := uint64(len(b) - i)
-			if n > f.remain {
-				n = f.remain
-			}
+		case stBody, stChunkData: // opaque bytes: skip what is left of them
+			n := min(uint64(len(b)-i), f.remain)
 			f.remain -= n
 			i += int(n) - 1
-			if f.remain == 0 {
+			switch {
+			case f.remain > 0:
+			case f.st == stBody:
 				f.endMessage()
-			}
-		case stChunkData:
-			n := uint64(len(b) - i)
-			if n > f.remain {
-				n = f.remain
-			}
-			f.remain -= n
-			i += int(n) - 1
-			if f.remain == 0 {
+			default:
 				f.st = stChunkDataCR
 			}
 		case stValue:
