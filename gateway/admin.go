@@ -1,16 +1,14 @@
 package gateway
 
 import (
-	"crypto/sha256"
-	"crypto/subtle"
 	"encoding/json"
 	"net/http"
 	"net/http/pprof"
-	"strings"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/encgate/encgate/idempotency"
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
@@ -61,13 +59,13 @@ func (s *Server) requireToken(h http.Handler) http.Handler {
 			h.ServeHTTP(w, r)
 			return
 		}
-		got, ok := bearerToken(r.Header.Get("Authorization"))
+		got, ok := bearer.Parse(r.Header.Get("Authorization"))
 		switch {
 		case !ok:
 			s.metrics.adminUnauthorized.Inc()
 			w.Header().Set("WWW-Authenticate", bearerRealm)
 			writeAdminError(w, http.StatusUnauthorized, `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
-		case !tokensEqual(got, want):
+		case !bearer.Equal(got, want):
 			s.metrics.adminUnauthorized.Inc()
 			w.Header().Set("WWW-Authenticate", bearerRealm+`, error="invalid_token"`)
 			writeAdminError(w, http.StatusUnauthorized, "encgate: the bearer token is not admin.token")
@@ -75,21 +73,6 @@ func (s *Server) requireToken(h http.Handler) http.Handler {
 			h.ServeHTTP(w, r)
 		}
 	})
-}
-
-// bearerToken returns the token of an "Authorization: Bearer <token>" value.
-func bearerToken(header string) (string, bool) {
-	scheme, token, ok := strings.Cut(header, " ")
-	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return "", false
-	}
-	token = strings.TrimLeft(token, " ")
-	return token, token != ""
-}
-
-func tokensEqual(got, want string) bool {
-	g, w := sha256.Sum256([]byte(got)), sha256.Sum256([]byte(want))
-	return subtle.ConstantTimeCompare(g[:], w[:]) == 1
 }
 
 // writeAdminError answers an admin request with the gateway's envelope.

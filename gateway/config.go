@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/encgate/encgate/idempotency"
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
@@ -230,9 +231,6 @@ func (c Config) Validate() error {
 // maxConns bounds limits.max_conns (fasthttp's worker pool is sized twice it).
 const maxConns = 1 << 24
 
-// minTokenLen is the shortest admin.token accepted.
-const minTokenLen = 16
-
 // Validate checks the admin section; path is its field path. Problems never
 // quote the token.
 func (a AdminConfig) Validate(p *configfile.Problems, path string) {
@@ -241,36 +239,7 @@ func (a AdminConfig) Validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".read_timeout", a.ReadTimeout)
 	p.Positive(path+".idle_timeout", a.IdleTimeout)
-	if a.Token == "" {
-		return
-	}
-	if len(a.Token) < minTokenLen {
-		p.Addf(path+".token", "must be at least %d characters, got %d", minTokenLen, len(a.Token))
-	}
-	if !isToken68(a.Token) {
-		p.Addf(path+".token", "must use only letters, digits and -._~+/ (then optional = padding), as a bearer token does (RFC 6750)")
-	}
-}
-
-// isToken68 reports whether s is an RFC 6750 b64token (RFC 7235 token68).
-func isToken68(s string) bool {
-	end := len(s)
-	for end > 0 && s[end-1] == '=' {
-		end--
-	}
-	if end == 0 {
-		return false
-	}
-	for i := 0; i < end; i++ {
-		c := s[i]
-		switch {
-		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
-		case c == '-', c == '.', c == '_', c == '~', c == '+', c == '/':
-		default:
-			return false
-		}
-	}
-	return true
+	bearer.Check(p, path+".token", a.Token)
 }
 
 func checkAddr(p *configfile.Problems, path, addr string) {

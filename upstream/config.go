@@ -4,6 +4,7 @@ import (
 	"net/url"
 	"strings"
 
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
 )
 
@@ -18,6 +19,13 @@ type EncoderConfig struct {
 	// (http://host:7401): this encoder's /sends go there instead (the agent
 	// holds the staged embeddings). Dedupe and refcount stay in the gateway.
 	Agent string `yaml:"agent,omitempty"`
+	// AgentTokenFile, with Agent, is the file holding the bearer token the
+	// agent requires on /send: the gateway sends it as "Authorization:
+	// Bearer <token>" on every request to the agent, never to the encoder.
+	// The file is read (bearer.ReadFile: one line, mode 0600 or 0640) when
+	// the config is validated and again on every reload, so rewriting it
+	// and reloading applies a new token. Only the path is ever shown.
+	AgentTokenFile string `yaml:"agent_token_file,omitempty"`
 	// Generation is the sglang generation the encoder runs: new (the
 	// default: the encoder/ package layout) or gen0 (the older flat
 	// encode_server.py, protocol reference §11). It decides how a
@@ -129,6 +137,13 @@ func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig)
 		if e.Agent != "" {
 			if err := checkURL(e.Agent); err != "" {
 				p.Addf(at+".agent", "%s", err)
+			}
+		}
+		if e.AgentTokenFile != "" {
+			if e.Agent == "" {
+				p.Addf(at+".agent_token_file", "needs agent")
+			} else if _, err := bearer.ReadFile(e.AgentTokenFile); err != nil {
+				p.Addf(at+".agent_token_file", "%s", err)
 			}
 		}
 		if !e.Generation.valid() {

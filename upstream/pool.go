@@ -9,6 +9,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/url"
@@ -21,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"go.uber.org/zap"
@@ -130,6 +132,22 @@ func (e *Encoder) Down() bool {
 type hostClient struct {
 	host, scheme, url string
 	client            *fasthttp.HostClient
+	// auth is the Authorization value every request to this host carries
+	// ("Bearer <token>"), nil for none. Only an agent's client has one (its
+	// agent_token_file); a reload replaces it in place (setToken), so the
+	// encoder keeps its connections and pins.
+	auth atomic.Pointer[string]
+}
+
+// setToken makes every later request to hc carry "Authorization: Bearer
+// token"; "" stops it.
+func (hc *hostClient) setToken(token string) {
+	if token == "" {
+		hc.auth.Store(nil)
+		return
+	}
+	v := "Bearer " + token
+	hc.auth.Store(&v)
 }
 
 // HasAgent reports whether e's /sends go to a gpuagent.
@@ -176,6 +194,13 @@ func (t target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.
 	defer t.enc.inflight.Add(-1)
 	if t.place != nil && !t.place() {
 		return errPlacedElsewhere
+	}
+	if auth := t.hc.auth.Load(); auth != nil {
+		// Set, not added: it replaces any Authorization req holds. The
+		// request is built afresh for each attempt from the call's method,
+		// path, content type and body, so none of the caller's headers
+		// (its Authorization included) reach an encoder or an agent.
+		req.Header.Set(fasthttp.HeaderAuthorization, *auth)
 	}
 	return t.enc.refusedByPool(do(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout))
 }
@@ -281,6 +306,10 @@ type Deps struct {
 // NewPool builds the pool, starts its pin sweeper and every encoder's
 // health loop; Close stops them.
 func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
+	tokens, err := agentTokens(set.Encoders)
+	if err != nil {
+		return nil, err
+	}
 	clk := deps.Clock
 	if clk == nil {
 		clk = clock.Real{}
@@ -299,8 +328,8 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 	}
 	p.maxInflight.Store(int64(set.MaxInflight))
 	f := &fleet{byName: map[string]*Encoder{}, set: set, budgets: p.newBudgets(set.Retry.Budget)}
-	for _, ec := range set.Encoders {
-		e, err := p.newEncoder(ec, set)
+	for i, ec := range set.Encoders {
+		e, err := p.newEncoder(ec, set, tokens[i])
 		if err != nil {
 			p.stopAll(f.list)
 			return nil, err
@@ -323,7 +352,27 @@ func (p *Pool) newBudgets(cfg BudgetConfig) map[string]*Budget {
 	return b
 }
 
-func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
+// agentTokens reads each encoder's agent_token_file (bearer.ReadFile): the
+// bearer token its agent requires, "" for none. Errors name the encoder and
+// the file, never a token.
+func agentTokens(encs []EncoderConfig) ([]string, error) {
+	tokens := make([]string, len(encs))
+	for i, ec := range encs {
+		if ec.Agent == "" || ec.AgentTokenFile == "" {
+			continue
+		}
+		t, err := bearer.ReadFile(ec.AgentTokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("encoder %s: agent_token_file: %w", ec.Name, err)
+		}
+		tokens[i] = t
+	}
+	return tokens, nil
+}
+
+// newEncoder builds ec's encoder; agentToken is the bearer token its agent
+// requires ("" for none).
+func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*Encoder, error) {
 	u, err := url.Parse(ec.URL)
 	if err != nil {
 		return nil, err
@@ -346,6 +395,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 			return nil, err
 		}
 		e.agent = &hostClient{host: au.Host, scheme: au.Scheme, url: ec.Agent, client: newClient(ec.Name+" agent", au, set.Client)}
+		e.agent.setToken(agentToken)
 	}
 	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
 	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
@@ -366,7 +416,8 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings) (*Encoder, error) {
 }
 
 // encoderID covers what holds a req_id's state: the encoder, and the agent
-// holding its staged embeddings.
+// holding its staged embeddings. The agent's token is not part of it: a
+// new token is applied in place (Reload) and the pins stay.
 func encoderID(ec EncoderConfig) uint64 {
 	return xxhash.Sum64String(ec.Name + "\x00" + ec.URL + "\x00" + ec.Agent)
 }
@@ -488,9 +539,16 @@ func (p *Pool) lookupPinned(pin Pin) (*Encoder, bool) {
 // rebuilds every encoder under its name (connections, breaker and health
 // start afresh). A removed name's metric series are deleted; nothing else of
 // a retired encoder is kept, so it and its HTTP clients are collected.
+// Every agent_token_file is read again; an encoder that stays gets its
+// agent's new token in place. A token file that cannot be read changes
+// nothing.
 func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
+	tokens, err := agentTokens(set.Encoders)
+	if err != nil {
+		return nil, nil, err
+	}
 	old := p.fleet.Load()
 	rebuild := !sameBreakerHealth(old.set, set) || old.set.Client != set.Client
 	next := &fleet{byName: map[string]*Encoder{}, set: set, budgets: old.budgets}
@@ -498,14 +556,15 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 		next.budgets = p.newBudgets(set.Retry.Budget)
 	}
 	var fresh []*Encoder
-	for _, ec := range set.Encoders {
+	var kept []int // indexes in set.Encoders of the encoders that stay
+	for i, ec := range set.Encoders {
 		if e, ok := old.byName[ec.Name]; ok && e.id == encoderID(ec) && !rebuild {
-			e.gen.Store(ec.Generation.index())
+			kept = append(kept, i)
 			next.list = append(next.list, e)
 			next.byName[e.Name] = e
 			continue
 		}
-		e, err := p.newEncoder(ec, set)
+		e, err := p.newEncoder(ec, set, tokens[i])
 		if err != nil {
 			p.stopAll(fresh)
 			return nil, nil, err
@@ -524,6 +583,13 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 			if n, stays := next.byName[e.Name]; !stays || n.id != e.id {
 				removed = append(removed, e.Name)
 			}
+		}
+	}
+	for _, i := range kept {
+		ec, e := set.Encoders[i], next.byName[set.Encoders[i].Name]
+		e.gen.Store(ec.Generation.index())
+		if e.agent != nil { // the same agent URL: encoderID covers it
+			e.agent.setToken(tokens[i])
 		}
 	}
 	p.maxInflight.Store(int64(set.MaxInflight))

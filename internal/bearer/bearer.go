@@ -1,0 +1,127 @@
+// Package bearer handles the bearer tokens (RFC 6750) of encgate: the admin
+// listeners' admin.token, and the token a node's gpuagent requires on /send
+// (the gateway's encoders[].agent_token_file). It parses an Authorization
+// value, compares tokens in constant time, validates a token's length and
+// alphabet, and reads a token file.
+package bearer
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strings"
+
+	"github.com/encgate/encgate/internal/configfile"
+)
+
+// MinLen is the shortest token accepted.
+const MinLen = 16
+
+// MaxFileBytes bounds a token file (ReadFile).
+const MaxFileBytes = 4 << 10
+
+// Parse returns the token of an "Authorization: Bearer <token>" value; the
+// scheme matches in any case (RFC 7235). ok is false for another scheme or
+// an empty token.
+func Parse(header string) (token string, ok bool) {
+	scheme, token, ok := strings.Cut(header, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	token = strings.TrimLeft(token, " ")
+	return token, token != ""
+}
+
+// Equal reports whether got is want, in constant time: the two are compared
+// as SHA-256 digests, so that not even the length leaks.
+func Equal(got, want string) bool {
+	g, w := sha256.Sum256([]byte(got)), sha256.Sum256([]byte(want))
+	return subtle.ConstantTimeCompare(g[:], w[:]) == 1
+}
+
+// Check adds a problem at path for each way token is not a valid bearer
+// token: shorter than MinLen, or outside the RFC 6750 alphabet. An empty
+// token means none is configured and passes. Problems never quote the
+// token.
+func Check(p *configfile.Problems, path, token string) {
+	if token == "" {
+		return
+	}
+	for _, msg := range problems(token) {
+		p.Addf(path, "%s", msg)
+	}
+}
+
+func problems(token string) []string {
+	var out []string
+	if len(token) < MinLen {
+		out = append(out, fmt.Sprintf("must be at least %d characters, got %d", MinLen, len(token)))
+	}
+	if !IsToken68(token) {
+		out = append(out, "must use only letters, digits and -._~+/ (then optional = padding), as a bearer token does (RFC 6750)")
+	}
+	return out
+}
+
+// IsToken68 reports whether s is an RFC 6750 b64token (RFC 7235 token68).
+func IsToken68(s string) bool {
+	end := len(s)
+	for end > 0 && s[end-1] == '=' {
+		end--
+	}
+	if end == 0 {
+		return false
+	}
+	for i := 0; i < end; i++ {
+		c := s[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case c == '-', c == '.', c == '_', c == '~', c == '+', c == '/':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// ReadFile reads the token in the file at path: its content without
+// surrounding whitespace (the trailing "\n" or "\r\n" an editor or echo
+// leaves). It refuses a file that is not a regular file, one over
+// MaxFileBytes, an empty one, one whose token fails Check, and, on Unix,
+// one whose mode grants any permission to others (as ssh refuses such a
+// key). Its errors name the path, never the token.
+func ReadFile(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return "", err
+	}
+	if !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("token file %s is not a regular file", path)
+	}
+	if perm := fi.Mode().Perm(); runtime.GOOS != "windows" && perm&0o007 != 0 {
+		return "", fmt.Errorf("token file %s has mode %04o, which grants others access: chmod 600 (or 640) it", path, perm)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileBytes+1))
+	if err != nil {
+		return "", err // a *PathError: it names the path
+	}
+	if len(data) > MaxFileBytes {
+		return "", fmt.Errorf("token file %s is over %s", path, configfile.ByteSize(MaxFileBytes))
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("token file %s is empty", path)
+	}
+	if ps := problems(token); len(ps) > 0 {
+		return "", fmt.Errorf("token file %s: the token %s", path, strings.Join(ps, "; it "))
+	}
+	return token, nil
+}
