@@ -39,7 +39,14 @@ type Descriptor struct {
 	Buffers []Buffer
 }
 
-var errCorrupted = errors.New("mooncake: corrupted segment descriptor")
+var (
+	errCorrupted = errors.New("mooncake: corrupted segment descriptor")
+
+	// The body is not one JSON object, so not a descriptor at all.
+	errDescNotJSON   = errors.New("mooncake: segment descriptor is not valid JSON")
+	errDescTrailing  = errors.New("mooncake: segment descriptor: data after the JSON object")
+	errDescNotObject = errors.New("mooncake: segment descriptor is not a JSON object")
+)
 
 // DecodeDescriptor decodes a segment descriptor as Mooncake's decodeSegmentDesc
 // does, for the fields above. "protocol" may be a string or (multi-protocol
@@ -48,18 +55,25 @@ var errCorrupted = errors.New("mooncake: corrupted segment descriptor")
 // an error. For tcp buffers an empty name or a zero addr or length makes the
 // whole descriptor "corrupted segment descriptor", as in Mooncake. Unknown
 // fields (timestamp, devices, rkeys, ...) are ignored.
+//
+// Errors name the field and the check it failed, never its value nor any
+// other byte of b (b comes from the peer).
 func DecodeDescriptor(b []byte) (Descriptor, error) {
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()
 	var top map[string]any
 	if err := dec.Decode(&top); err != nil {
-		return Descriptor{}, fmt.Errorf("mooncake: segment descriptor: %w", err)
+		// Not wrapped: encoding/json's text quotes the offending bytes.
+		if _, isType := err.(*json.UnmarshalTypeError); isType {
+			return Descriptor{}, errDescNotObject
+		}
+		return Descriptor{}, errDescNotJSON
 	}
 	if _, err := dec.Token(); err != io.EOF {
-		return Descriptor{}, errors.New("mooncake: segment descriptor: data after the JSON object")
+		return Descriptor{}, errDescTrailing
 	}
 	if top == nil {
-		return Descriptor{}, errors.New("mooncake: segment descriptor is not a JSON object")
+		return Descriptor{}, errDescNotObject
 	}
 	var d Descriptor
 	var err error
@@ -89,7 +103,7 @@ func DecodeDescriptor(b []byte) (Descriptor, error) {
 		return Descriptor{}, err
 	}
 	if ok && port > 65535 {
-		return Descriptor{}, fmt.Errorf("mooncake: segment descriptor: tcp_data_port %d out of range", port)
+		return Descriptor{}, errors.New("mooncake: segment descriptor: tcp_data_port is above 65535")
 	}
 	d.TCPDataPort = int(port)
 	d.TCPProtoVersion = 1
@@ -135,7 +149,7 @@ func DecodeDescriptor(b []byte) (Descriptor, error) {
 			return Descriptor{}, err
 		}
 		if proto == "tcp" && (buf.Name == "" || buf.Addr == 0 || buf.Length == 0) {
-			return Descriptor{}, fmt.Errorf("%w: buffer %q addr %d length %d", errCorrupted, buf.Name, buf.Addr, buf.Length)
+			return Descriptor{}, fmt.Errorf("%w: a tcp buffer has an empty name, a zero addr or a zero length", errCorrupted)
 		}
 		d.Buffers = append(d.Buffers, buf)
 	}
@@ -181,7 +195,7 @@ func optUint(m map[string]any, key string) (uint64, bool, error) {
 	}
 	u, err := strconv.ParseUint(string(n), 10, 64)
 	if err != nil {
-		return 0, false, fmt.Errorf("mooncake: segment descriptor: %s = %s is not an integer in [0, 2^64-1]", key, n)
+		return 0, false, fmt.Errorf("mooncake: segment descriptor: %s is not an integer in [0, 2^64-1]", key)
 	}
 	return u, true, nil
 }

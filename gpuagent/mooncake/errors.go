@@ -18,9 +18,40 @@ var (
 	ErrFrameTooLarge = errors.New("mooncake: handshake frame too large")
 	// ErrClosed is returned by an Initiator after Close.
 	ErrClosed = errors.New("mooncake: initiator closed")
+	// ErrNotHandshakePeer means the handshake destination answered the
+	// Metadata request with something that is not a Mooncake reply: a length
+	// of 0 or above the limit (ErrFrameTooLarge, which it also matches), a
+	// frame of another type or of the old untyped form, or a body that is not
+	// a segment descriptor. Its text quotes nothing of what the peer sent, so
+	// a /send aimed at another service (an HTTP or SSH server) learns nothing
+	// of it.
+	ErrNotHandshakePeer = errors.New("not a Mooncake handshake peer (reply not in the expected form)")
 
 	errEmptyFrame = errors.New("mooncake: handshake frame of length 0")
 )
+
+// notPeerError is a handshake reply that failed a check. Its text is
+// ErrNotHandshakePeer's, followed by reason when there is one (a fixed text,
+// or numbers that passed their checks); it matches ErrNotHandshakePeer and
+// cause (errors.Is), whose own text is not shown.
+type notPeerError struct {
+	reason string
+	cause  error
+}
+
+func (e *notPeerError) Error() string {
+	if e.reason == "" {
+		return ErrNotHandshakePeer.Error()
+	}
+	return ErrNotHandshakePeer.Error() + ": " + e.reason
+}
+
+func (e *notPeerError) Unwrap() []error {
+	if e.cause == nil {
+		return []error{ErrNotHandshakePeer}
+	}
+	return []error{ErrNotHandshakePeer, e.cause}
+}
 
 // RangeError is returned by Initiator.Write, before anything is sent, when
 // [Addr, Addr+Size) does not lie inside one buffer of the session's descriptor.

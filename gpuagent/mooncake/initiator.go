@@ -7,9 +7,12 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/hashicorp/golang-lru/v2/simplelru"
 )
 
 // Defaults for InitiatorConfig's zero values.
@@ -17,7 +20,7 @@ const (
 	DefaultConnectTimeout = 5 * time.Second  // MC_HANDSHAKE_CONNECT_TIMEOUT
 	DefaultTimeout        = 30 * time.Second // MC_TRANSFER_TIMEOUT, MC_TCP_STATUS_TIMEOUT_SEC
 	DefaultMaxIdlePerPeer = 4                // MC_TCP_LANES_PER_PEER
-	maxSessions           = 1024             // cached descriptors kept at most
+	DefaultMaxSessions    = 1024             // sessions (descriptor and idle connections) cached at most
 )
 
 // InitiatorConfig configures an Initiator. The zero value is usable.
@@ -31,6 +34,10 @@ type InitiatorConfig struct {
 	// MaxIdlePerPeer is how many idle data connections to one v2 peer are
 	// kept for reuse. 0 means 4; a negative value disables pooling.
 	MaxIdlePerPeer int
+	// MaxSessions is how many sessions (each a cached descriptor and its idle
+	// data connections) are kept; past it the least recently used one is
+	// dropped and its idle connections closed. 0 (or less) means 1024.
+	MaxSessions int
 	// Dial opens every connection the Initiator makes, handshake and data
 	// alike ("tcp", "host:port"), so it is the place to enforce an allow-list
 	// (the data host comes from the peer's descriptor, not from the caller).
@@ -52,8 +59,11 @@ type Result struct {
 type Initiator struct {
 	cfg InitiatorConfig
 
-	mu       sync.Mutex // protects sessions, closed and every session's desc, gen and idle
-	sessions map[string]*session
+	// mu protects sessions (a simplelru, which does no locking of its own, so
+	// its eviction callback runs with mu held), closed, and every session's
+	// desc, gen and idle.
+	mu       sync.Mutex
+	sessions *simplelru.LRU[string, *session]
 	closed   bool
 }
 
@@ -79,11 +89,21 @@ func NewInitiator(cfg InitiatorConfig) *Initiator {
 	if cfg.MaxIdlePerPeer == 0 {
 		cfg.MaxIdlePerPeer = DefaultMaxIdlePerPeer
 	}
+	if cfg.MaxSessions <= 0 {
+		cfg.MaxSessions = DefaultMaxSessions
+	}
 	if cfg.Dial == nil {
 		d := &net.Dialer{}
 		cfg.Dial = d.DialContext
 	}
-	return &Initiator{cfg: cfg, sessions: make(map[string]*session)}
+	// Called with mu held (Add, Purge): an evicted session's pooled
+	// connections are closed, and putIdle closes the ones that a Write still
+	// in flight on it returns later (the session is no longer in the cache).
+	sessions, err := simplelru.NewLRU(cfg.MaxSessions, func(_ string, s *session) { s.closeIdleLocked() })
+	if err != nil {
+		panic(err) // only for a size <= 0, excluded above
+	}
+	return &Initiator{cfg: cfg, sessions: sessions}
 }
 
 // Write moves payload to [addr, addr+len(payload)) in the peer named by
@@ -152,15 +172,12 @@ func (i *Initiator) Close() error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	i.closed = true
-	for _, s := range i.sessions {
-		s.closeIdleLocked()
-	}
-	clear(i.sessions)
+	i.sessions.Purge() // the eviction callback closes each session's idle connections
 	return nil
 }
 
-// session returns the cache entry for id, creating it (and evicting another
-// entry when the cache is full).
+// session returns the cache entry for id, creating it (and evicting the least
+// recently used entry when the cache is full).
 func (i *Initiator) session(id string) (*session, error) {
 	if _, _, err := ParseSessionID(id); err != nil {
 		return nil, err
@@ -170,18 +187,11 @@ func (i *Initiator) session(id string) (*session, error) {
 	if i.closed {
 		return nil, ErrClosed
 	}
-	if s, ok := i.sessions[id]; ok {
+	if s, ok := i.sessions.Get(id); ok {
 		return s, nil
 	}
-	if len(i.sessions) >= maxSessions {
-		for k, old := range i.sessions { // map order: an arbitrary victim
-			old.closeIdleLocked()
-			delete(i.sessions, k)
-			break
-		}
-	}
 	s := &session{id: id, fetch: make(chan struct{}, 1)}
-	i.sessions[id] = s
+	i.sessions.Add(id, s)
 	return s, nil
 }
 
@@ -254,17 +264,34 @@ func (i *Initiator) handshake(ctx context.Context, sessionID string) (Descriptor
 	typ, body, legacy, err := i.exchangeFrame(ctx, conn)
 	_ = conn.Close()
 	stop()
-	if err != nil {
+	// Nothing that the peer sent is quoted from here on: a /send aimed at
+	// another service must not read its banner back (ErrNotHandshakePeer).
+	switch {
+	case errors.Is(err, ErrFrameTooLarge) || errors.Is(err, errEmptyFrame):
+		return Descriptor{}, notPeer(sessionID, "", err)
+	case err != nil:
 		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: %w", sessionID, ctxErr(ctx, err))
-	}
-	if legacy || typ != HSMetadata {
-		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: reply of type %d (legacy %t), want %d", sessionID, typ, legacy, HSMetadata)
+	case legacy: // the first body byte is above 3: "SSH-2.0-...", or an old peer's '{'
+		return Descriptor{}, notPeer(sessionID, "", nil)
+	case typ != HSMetadata: // typ is 0-3 here
+		return Descriptor{}, notPeer(sessionID, fmt.Sprintf("a reply of type %d to a Metadata request", typ), nil)
 	}
 	d, err := DecodeDescriptor(body)
-	if err != nil {
-		return Descriptor{}, fmt.Errorf("mooncake: handshake with %s: %w", sessionID, err)
+	switch {
+	case errors.Is(err, errDescNotJSON) || errors.Is(err, errDescNotObject) || errors.Is(err, errDescTrailing):
+		return Descriptor{}, notPeer(sessionID, "", err)
+	case err != nil:
+		// A JSON object that fails a field check; DecodeDescriptor's text
+		// names the field, never its value.
+		return Descriptor{}, notPeer(sessionID, strings.TrimPrefix(err.Error(), "mooncake: "), err)
 	}
 	return d, nil
+}
+
+// notPeer is the handshake error for a reply that failed a check: see
+// notPeerError. reason must quote nothing of the peer's bytes.
+func notPeer(sessionID, reason string, cause error) error {
+	return fmt.Errorf("mooncake: handshake with %s: %w", sessionID, &notPeerError{reason: reason, cause: cause})
 }
 
 func (i *Initiator) exchangeFrame(ctx context.Context, conn net.Conn) (uint8, []byte, bool, error) {
@@ -286,7 +313,8 @@ func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, ad
 	res = Result{Version: version}
 	switch {
 	case !desc.HasTCP():
-		return res, cached, fmt.Errorf("mooncake: session %s (protocol %q): %w", s.id, desc.Protocols, ErrNotTCP)
+		// The peer's protocol names are not quoted (they are its bytes).
+		return res, cached, fmt.Errorf("mooncake: session %s: %w", s.id, ErrNotTCP)
 	case !desc.Contains(addr, size):
 		return res, cached, &RangeError{Session: s.id, Addr: addr, Size: size}
 	case desc.TCPDataPort <= 0:
@@ -383,7 +411,7 @@ func writeV2(conn net.Conn, hdr, payload []byte) error {
 		case status == StatusAddrRejected:
 			return errRejected
 		default:
-			return fmt.Errorf("unknown status %d", status)
+			return errors.New("unknown status in the status frame") // not printed: it failed its check
 		}
 	}
 	// OK is sent only after the server applied every byte, so the writer is
@@ -413,7 +441,7 @@ func writeV1(conn net.Conn, hdr, payload []byte) error {
 	for {
 		n, err := conn.Read(b[:])
 		if n > 0 {
-			return fmt.Errorf("v1 peer sent %d unexpected bytes after a write", n)
+			return errors.New("v1 peer sent unexpected bytes after a write")
 		}
 		if err == io.EOF {
 			return nil
@@ -438,7 +466,10 @@ func (i *Initiator) takeIdle(s *session, dataAddr string) net.Conn {
 func (i *Initiator) putIdle(s *session, dataAddr string, c net.Conn) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	if i.closed || i.sessions[s.id] != s || i.cfg.MaxIdlePerPeer < 0 {
+	// Peek: returning a connection is not a use of the session, and a session
+	// evicted (or replaced under its id) while this Write was in flight must
+	// not keep connections that nothing would close.
+	if cur, ok := i.sessions.Peek(s.id); i.closed || !ok || cur != s || i.cfg.MaxIdlePerPeer < 0 {
 		_ = c.Close()
 		return
 	}

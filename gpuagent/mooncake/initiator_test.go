@@ -282,7 +282,8 @@ func TestWriteConcurrentOneHandshake(t *testing.T) {
 		t.Fatalf("%d handshakes for one session, want 1", handshakes)
 	}
 	ini.mu.Lock()
-	idle := len(ini.sessions[r.SessionID()].idle)
+	s, _ := ini.sessions.Peek(r.SessionID())
+	idle := len(s.idle)
 	ini.mu.Unlock()
 	if idle > 2 {
 		t.Fatalf("%d idle connections, MaxIdlePerPeer is 2", idle)

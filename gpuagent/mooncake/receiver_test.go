@@ -191,8 +191,8 @@ func TestHandshakeWrongReplyType(t *testing.T) {
 		body  string
 		errIs string
 	}{
-		{"probe reply to metadata", HSProbe, `{"status":"success"}`, "reply of type 3"},
-		{"legacy reply", HSConnection, `{"a":1}`, "legacy true"},
+		{"probe reply to metadata", HSProbe, `{"status":"success"}`, ErrNotHandshakePeer.Error() + ": a reply of type 3"},
+		{"legacy reply", HSConnection, `{"a":1}`, ErrNotHandshakePeer.Error()},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var sid string
@@ -203,8 +203,8 @@ func TestHandshakeWrongReplyType(t *testing.T) {
 			}
 			ini := newInitiator(t, InitiatorConfig{})
 			_, err := ini.Descriptor(testCtx(t), sid)
-			if err == nil || !strings.Contains(err.Error(), tt.errIs) {
-				t.Fatalf("err = %v, want %q", err, tt.errIs)
+			if !errors.Is(err, ErrNotHandshakePeer) || !strings.Contains(err.Error(), tt.errIs) {
+				t.Fatalf("err = %v, want ErrNotHandshakePeer and %q", err, tt.errIs)
 			}
 		})
 	}

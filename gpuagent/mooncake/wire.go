@@ -144,7 +144,9 @@ func readFrame(r io.Reader, max int) (typ uint8, body []byte, legacy bool, err e
 	case n == 0:
 		return 0, nil, false, errEmptyFrame
 	case n > uint64(max):
-		return 0, nil, false, fmt.Errorf("%w: length %d, limit %d", ErrFrameTooLarge, n, max)
+		// n failed its check: it is not printed (it is whatever 8 bytes the
+		// peer sent, "HTTP/1.1" for a web server).
+		return 0, nil, false, fmt.Errorf("%w: length above the limit of %d", ErrFrameTooLarge, max)
 	}
 	all, err := readBody(r, int(n))
 	if err != nil {
