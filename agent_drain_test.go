@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -113,18 +115,38 @@ func TestAgentSIGTERMDrainsAnInFlightSend(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = sink.Close() })
 
-	p := startAgentProc(t, `listen: "127.0.0.1:0"
+	const token = "drain-token-0123456789"
+	sockDir, err := os.MkdirTemp("", "ag") // short: a socket path is at most 107 bytes
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(sockDir) })
+	sock := filepath.Join(sockDir, "agent.sock")
+	p := startAgentProc(t, fmt.Sprintf(`listen: "127.0.0.1:0"
 admin_listen: "127.0.0.1:0"
+control:
+  socket: %q
+  token_file: %q
 ack:
   linger: 60s
 shutdown:
   grace: 60s
-`)
+`, sock, writeTemp(t, "agent.token", token+"\n")))
 	ready := p.waitLog(t, "agent listening")
 	base, admin := fmt.Sprintf("http://%s", ready["listen"]), fmt.Sprintf("http://%s", ready["admin_listen"])
 	client := &http.Client{Timeout: 60 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	post := func(url string, body []byte) (int, string) {
-		resp, err := client.Post(url, "application/octet-stream", bytes.NewReader(body))
+	// The node's encoder stages over the agent's Unix socket.
+	encoder := &http.Client{Timeout: 60 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		}}}
+	post := func(c *http.Client, url string, body []byte) (int, string) {
+		req, err := http.NewRequest(http.MethodPost, url, bytes.NewReader(body))
+		if err != nil {
+			return 0, err.Error()
+		}
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := c.Do(req)
 		if err != nil {
 			return 0, err.Error()
 		}
@@ -133,10 +155,10 @@ shutdown:
 		return resp.StatusCode, string(b)
 	}
 	data := bytes.Repeat([]byte{0xA5}, 4*8*2)
-	if code, body := post(base+"/v1/stage?req_id=term&tokens=4&dim=8&dtype=bfloat16", data); code != 200 {
+	if code, body := post(encoder, "http://agent/v1/stage?req_id=term&tokens=4&dim=8&dtype=bfloat16", data); code != 200 {
 		t.Fatalf("stage: %d %s", code, body)
 	}
-	if code, body := post(base+"/v1/ack?req_id=term", []byte("ack frame")); code != 200 {
+	if code, body := post(encoder, "http://agent/v1/ack?req_id=term", []byte("ack frame")); code != 200 {
 		t.Fatalf("ack: %d %s", code, body)
 	}
 	addr := recv.Buffers()[0].Addr
@@ -146,7 +168,7 @@ shutdown:
 	}
 	answered := make(chan answer, 1)
 	go func() {
-		code, body := post(base+"/send", []byte(fmt.Sprintf(
+		code, body := post(client, base+"/send", []byte(fmt.Sprintf(
 			`{"req_id":"term","part_idx":0,"prefill_host":"127.0.0.1","embedding_port":%d,"session_id":%q,"buffer_address":%d,"receive_count":1}`,
 			sink.Port(), recv.SessionID(), addr)))
 		answered <- answer{code, body}

@@ -156,4 +156,7 @@ func TestDemo(t *testing.T) {
 	if !strings.Contains(stdout, "affinity: 120 of 120") {
 		t.Fatalf("demo output lacks full affinity:\n%s", stdout)
 	}
+	if !strings.Contains(stdout, "every /send with the gateway's agent token (0 refused)") {
+		t.Fatalf("demo output lacks the agents' token line:\n%s", stdout)
+	}
 }

@@ -84,6 +84,9 @@ type Result struct {
 	AcksWrong   int                // acks whose frame was not the part's
 	AcksMissing int                // delivered /sends whose ack never came
 	AgentAcks   map[string]float64 // the agents' encgate_agent_acks_total by result
+	// AgentRefused is the agents' encgate_agent_unauthorized_total by door:
+	// every /send must have carried the gateway's agent token.
+	AgentRefused map[string]float64
 
 	DupsInjected  int            // duplicate /sends the driver added
 	Replayed      int            // /send answers marked X-Encgate-Replayed
@@ -156,6 +159,7 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	res.ReceiverWrites = nd.recv.Stats().Writes
 	res.BytesMoved, res.TransferSeconds = nd.transferred()
 	res.AgentAcks = nd.acks()
+	res.AgentRefused = nd.refused()
 	printSummary(w, res, time.Since(start), opts)
 	return res.check(opts)
 }
@@ -254,7 +258,8 @@ func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry
 	cfg := gateway.DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
 	for i, e := range f.encs {
-		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL(), Agent: nd.agentURL(i)})
+		cfg.Encoders = append(cfg.Encoders, upstream.EncoderConfig{Name: e.Stats().Name, URL: e.URL(),
+			Agent: nd.agentURL(i), AgentTokenFile: nd.tokenFile})
 	}
 	// A local fleet needs few descriptors: the defaults (10,000 client
 	// connections, 1,024 per encoder and agent) would ask RLIMIT_NOFILE for
@@ -579,6 +584,9 @@ func (r *Result) check(o Options) error {
 	if r.ReceiverWrites != uint64(r.Landed) {
 		return fmt.Errorf("the receiver took %d writes for %d delivered /sends", r.ReceiverWrites, r.Landed)
 	}
+	if r.AgentRefused["control"] != 0 {
+		return fmt.Errorf("agents refused %.0f /sends for a missing or wrong token", r.AgentRefused["control"])
+	}
 	if r.Acks != r.Landed || r.AcksWrong != 0 || r.AcksMissing != 0 || r.AgentAcks["sent"] != float64(r.Landed) || r.AgentAcks["failed"] != 0 {
 		return fmt.Errorf("acks: %d of %d delivered /sends acked (%d with a wrong frame, %d missing); agents: %v",
 			r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks)
@@ -644,8 +652,9 @@ func printSummary(w io.Writer, r *Result, took time.Duration, o Options) {
 		r.BytesMoved/(1<<20), r.Landed, tokensPerItem*dim*2>>10, gbps, mean,
 		r.Verified, r.Landed, float64(r.BytesVerified)/(1<<20), r.Corrupt)
 	fmt.Fprintf(w, "acks: %d of %d delivered /sends acked on the rank's ZMQ PULL socket with the part's frame (%d wrong, %d missing)\n"+
-		"  agents: %.0f sent, %.0f failed, %.0f skipped\n",
-		r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks["sent"], r.AgentAcks["failed"], r.AgentAcks["skipped"])
+		"  agents: %.0f sent, %.0f failed, %.0f skipped; staged over their Unix sockets, every /send with the gateway's agent token (%.0f refused)\n",
+		r.Acks, r.Landed, r.AcksWrong, r.AcksMissing, r.AgentAcks["sent"], r.AgentAcks["failed"], r.AgentAcks["skipped"],
+		r.AgentRefused["control"])
 	fmt.Fprintf(w, "errors by kind (each from an injected fault: media that failed to load, or the flaky encoder):\n")
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(w, "  none")

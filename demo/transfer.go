@@ -3,12 +3,15 @@ package demo
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
 	"log"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,10 +28,14 @@ import (
 // nodes are the encoder nodes' gpuagents and the receiver they write into
 // (one Mooncake TCP receiver standing in for a language-only server's ranks).
 type nodes struct {
-	agents []*gpuagent.Agent
-	regs   []*prometheus.Registry
-	recv   *mooncake.Receiver
-	client *http.Client
+	agents  []*gpuagent.Agent
+	regs    []*prometheus.Registry
+	recv    *mooncake.Receiver
+	clients []*http.Client // agent i's Unix socket, as its node's encoder reaches it
+	dir     string         // the agents' sockets and the token file
+	// tokenFile holds the bearer token every agent requires on /send; the
+	// gateway's encoders[].agent_token_file names it.
+	tokenFile string
 }
 
 func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
@@ -39,13 +46,25 @@ func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
 	if err != nil {
 		return nil, err
 	}
-	nd := &nodes{recv: recv, client: &http.Client{Timeout: 30 * time.Second}}
+	dir, err := os.MkdirTemp("", "encgate-demo-")
+	if err != nil {
+		return nil, err
+	}
+	nd := &nodes{recv: recv, dir: dir, tokenFile: filepath.Join(dir, "agent.token")}
 	if err := recv.Start(); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	if err := os.WriteFile(nd.tokenFile, []byte(rand.Text()+"\n"), 0o600); err != nil {
+		nd.close()
 		return nil, err
 	}
 	for i := 0; i < n; i++ {
 		cfg := gpuagent.DefaultConfig()
 		cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+		cfg.Control.Socket = filepath.Join(dir, fmt.Sprintf("agent-%d.sock", i))
+		cfg.Control.SocketMode = "0600"
+		cfg.Control.TokenFile = nd.tokenFile
 		reg := prometheus.NewRegistry()
 		a, err := gpuagent.New(cfg, gpuagent.Deps{Log: log, Registry: reg})
 		if err == nil {
@@ -57,6 +76,12 @@ func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
 		}
 		nd.agents = append(nd.agents, a)
 		nd.regs = append(nd.regs, reg)
+		sock := cfg.Control.Socket
+		nd.clients = append(nd.clients, &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+			},
+		}})
 	}
 	return nd, nil
 }
@@ -69,20 +94,21 @@ func (nd *nodes) agentURL(i int) string { return "http://" + nd.agents[i].Addr()
 // part's metadata.
 func (nd *nodes) stager(i int) func(ctx context.Context, reqID string, tokens, dim, elem int) error {
 	return func(ctx context.Context, reqID string, tokens, dim, elem int) error {
-		url := fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", nd.agentURL(i), reqID, tokens, dim)
-		if err := nd.post(ctx, url, embedding(reqID, tokens*dim*elem)); err != nil {
+		url := fmt.Sprintf("http://agent/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", reqID, tokens, dim)
+		if err := nd.post(ctx, i, url, embedding(reqID, tokens*dim*elem)); err != nil {
 			return err
 		}
-		return nd.post(ctx, fmt.Sprintf("%s/v1/ack?req_id=%s", nd.agentURL(i), reqID), ackFrame(reqID, tokens, dim))
+		return nd.post(ctx, i, fmt.Sprintf("http://agent/v1/ack?req_id=%s", reqID), ackFrame(reqID, tokens, dim))
 	}
 }
 
-func (nd *nodes) post(ctx context.Context, url string, body []byte) error {
+// post sends body to agent i over its Unix socket.
+func (nd *nodes) post(ctx context.Context, i int, url string, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
-	resp, err := nd.client.Do(req)
+	resp, err := nd.clients[i].Do(req)
 	if err != nil {
 		return err
 	}
@@ -140,17 +166,25 @@ func (p *ackPort) close() {
 }
 
 // acks sums the agents' encgate_agent_acks_total by result.
-func (nd *nodes) acks() map[string]float64 {
+func (nd *nodes) acks() map[string]float64 { return nd.sumBy("encgate_agent_acks_total", "result") }
+
+// refused sums the agents' encgate_agent_unauthorized_total by door.
+func (nd *nodes) refused() map[string]float64 {
+	return nd.sumBy("encgate_agent_unauthorized_total", "door")
+}
+
+// sumBy sums the agents' counter name by the value of label.
+func (nd *nodes) sumBy(name, label string) map[string]float64 {
 	out := map[string]float64{}
 	for _, reg := range nd.regs {
 		mfs, _ := reg.Gather()
 		for _, mf := range mfs {
-			if mf.GetName() != "encgate_agent_acks_total" {
+			if mf.GetName() != name {
 				continue
 			}
 			for _, m := range mf.GetMetric() {
 				for _, l := range m.GetLabel() {
-					if l.GetName() == "result" {
+					if l.GetName() == label {
 						out[l.GetValue()] += m.GetCounter().GetValue()
 					}
 				}
@@ -163,10 +197,12 @@ func (nd *nodes) acks() map[string]float64 {
 func (nd *nodes) close() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	for _, a := range nd.agents {
+	for i, a := range nd.agents {
 		_ = a.Shutdown(ctx)
+		nd.clients[i].CloseIdleConnections()
 	}
 	_ = nd.recv.Close()
+	_ = os.RemoveAll(nd.dir)
 }
 
 // transferred sums the agents' bytes moved and time spent moving them.

@@ -39,9 +39,11 @@ type ackAnswer struct {
 	AckFrameBytes int    `json:"ack_frame_bytes"`
 }
 
-// serveAck is POST /v1/ack?req_id=R with the raw frame as body: it stages
-// R's ack frame, before or after R's embedding.
+// serveAck is POST /v1/ack?req_id=R with the raw frame as body, on the Unix
+// socket: it stages R's ack frame, before or after R's embedding, for the
+// process that staged (or will stage) R alone.
 func (a *Agent) serveAck(w http.ResponseWriter, r *http.Request) {
+	conn, _ := stagerOf(r)
 	id, err := parseAckQuery(r.URL.RawQuery)
 	if err != nil {
 		writeEnvelope(w, http.StatusBadRequest, err.Error(), queryReqID(r.URL.RawQuery))
@@ -56,14 +58,18 @@ func (a *Agent) serveAck(w http.ResponseWriter, r *http.Request) {
 		tooBig()
 		return
 	}
-	frame, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	frame, err := io.ReadAll(a.body(w, http.MaxBytesReader(w, r.Body, limit)))
 	if err != nil {
 		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
+		switch {
+		case errors.As(err, &mbe):
 			tooBig()
-			return
+		case stalled(err):
+			writeEnvelope(w, http.StatusRequestTimeout, fmt.Sprintf(
+				"encgate: the ack frame for req_id=%s sent nothing for control.body_timeout (%s)", id, a.cfg.Control.BodyTimeout), id)
+		default:
+			writeEnvelope(w, http.StatusBadRequest, fmt.Sprintf("encgate: reading the ack frame for req_id=%s: %v", id, err), id)
 		}
-		writeEnvelope(w, http.StatusBadRequest, fmt.Sprintf("encgate: reading the ack frame for req_id=%s: %v", id, err), id)
 		return
 	}
 	if len(frame) == 0 {
@@ -71,8 +77,12 @@ func (a *Agent) serveAck(w http.ResponseWriter, r *http.Request) {
 			"encgate: empty ack frame for req_id=%s (the body must be the encoder's pickled EmbeddingData)", id), id)
 		return
 	}
-	same, err := a.store.putAck(id, frame, a.clk.Now())
+	same, err := a.store.putAck(id, frame, a.clk.Now(), conn.peer)
+	var owned *ownedError
 	switch {
+	case errors.As(err, &owned):
+		a.ownerConflict(w, id, conn.peer, owned.owner)
+		return
 	case errors.Is(err, errExists):
 		writeEnvelope(w, http.StatusConflict, fmt.Sprintf("encgate: req_id=%s already has a different ack frame", id), id)
 		return

@@ -55,7 +55,7 @@ func allBytes() []byte {
 
 func (a *testAgent) postAck(t *testing.T, id string, frame []byte) reply {
 	t.Helper()
-	return do(t, http.MethodPost, a.base+"/v1/ack?req_id="+id, bytes.NewReader(frame))
+	return do(t, http.MethodPost, a.ctl+"/v1/ack?req_id="+id, bytes.NewReader(frame))
 }
 
 func TestAckReachesAZMQPullSocketOncePerDestination(t *testing.T) {
@@ -406,7 +406,7 @@ func TestAckStaging(t *testing.T) {
 		c.Staging.CapacityBytes = 200
 		c.Staging.MaxStageBytes = 128
 	}, nil, nil)
-	url := func(q string) string { return a.base + "/v1/ack?" + q }
+	url := func(q string) string { return a.ctl + "/v1/ack?" + q }
 	frame := []byte("\x80\x04\x95pickled EmbeddingData")
 
 	expect(t, a.postAck(t, "r", frame), http.StatusOK, fmt.Sprintf(`{"req_id":"r","ack_frame_bytes":%d}`, len(frame)))

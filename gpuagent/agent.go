@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -41,12 +42,20 @@ type Agent struct {
 	// pin and unpin register and deregister a staged region (mlock and
 	// munlock); tests replace them to take the per-send fallback.
 	pin, unpin func([]byte) error
+	// reserved, when set (tests), is told of every reservation attempt, made
+	// or refused, once the store has answered.
+	reserved func(id string)
 	// lookupIP resolves a destination that is not an IP literal.
 	lookupIP func(ctx context.Context, host string) ([]netip.Addr, error)
 
-	srv     *http.Server
+	token  string        // control's bearer token; "" closes the TCP door (unless insecure)
+	stages chan struct{} // one slot per stage in progress (staging.max_concurrent)
+
+	srv     *http.Server // the TCP door
+	sock    *http.Server // the Unix socket
 	admin   *http.Server
 	ln      net.Listener
+	sockln  *unixListener
 	adln    net.Listener
 	started atomic.Bool
 	ready   atomic.Bool
@@ -76,7 +85,13 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		cfg: cfg, log: deps.Log, clk: deps.Clock, reg: deps.Registry, notifier: deps.Notifier,
 		allow: cfg.Transfer.allowList(), pin: syscall.Mlock, unpin: syscall.Munlock,
 		done: make(chan error, 3), stop: make(chan struct{}), swept: make(chan struct{}),
+		stages: make(chan struct{}, cfg.Staging.MaxConcurrent),
 	}
+	token, err := cfg.Control.token()
+	if err != nil {
+		return nil, fmt.Errorf("control.token_file: %w", err)
+	}
+	a.token = token
 	if a.log == nil {
 		a.log = zap.NewNop()
 	}
@@ -120,9 +135,12 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		Timeout:        cfg.Transfer.Timeout.D(),
 		Dial:           a.dial,
 	})
-	a.srv = &http.Server{Handler: a.controlMux(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 120 * time.Second,
-		ErrorLog: zap.NewStdLog(a.log.Named("http"))}
-	a.admin = &http.Server{Handler: a.adminMux(), ReadHeaderTimeout: 10 * time.Second,
+	hdr := cfg.Control.ReadHeaderTimeout.D()
+	a.srv = &http.Server{Handler: a.tcpMux(), ReadHeaderTimeout: hdr, IdleTimeout: 120 * time.Second,
+		MaxHeaderBytes: maxHeaderBytes, ErrorLog: zap.NewStdLog(a.log.Named("http"))}
+	a.sock = &http.Server{Handler: a.socketMux(), ReadHeaderTimeout: hdr, IdleTimeout: 120 * time.Second,
+		MaxHeaderBytes: maxHeaderBytes, ConnContext: connContext, ErrorLog: zap.NewStdLog(a.log.Named("socket"))}
+	a.admin = &http.Server{Handler: a.adminMux(), ReadHeaderTimeout: hdr, MaxHeaderBytes: maxHeaderBytes,
 		ErrorLog: zap.NewStdLog(a.log.Named("admin"))}
 	// Shutdown runs this once the control listener is closed.
 	a.srv.RegisterOnShutdown(func() {
@@ -131,39 +149,60 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	return a, nil
 }
 
+// maxHeaderBytes bounds a request's headers on every listener.
+const maxHeaderBytes = 64 << 10
+
 // Receiver returns the Mooncake receiver, or nil when receiver is off.
 func (a *Agent) Receiver() *mooncake.Receiver { return a.recv }
 
-// Start listens on both addresses, starts the receiver when configured and
-// the TTL sweeper, and serves in the background.
+// Start listens on the Unix socket and both TCP addresses, starts the
+// receiver when configured and the TTL sweeper, and serves in the
+// background.
 func (a *Agent) Start() error {
+	sockln, err := listenUnix(a.cfg.Control)
+	if err != nil {
+		return fmt.Errorf("control.socket: %w", err)
+	}
 	ln, err := net.Listen("tcp", a.cfg.Listen)
 	if err != nil {
+		sockln.Close()
 		return fmt.Errorf("listen: %w", err)
 	}
 	adln, err := net.Listen("tcp", a.cfg.AdminListen)
 	if err != nil {
+		sockln.Close()
 		ln.Close()
 		return fmt.Errorf("admin_listen: %w", err)
 	}
 	if a.recv != nil {
 		if err := a.recv.Start(); err != nil {
+			sockln.Close()
 			ln.Close()
 			adln.Close()
 			return fmt.Errorf("receiver: %w", err)
 		}
 	}
-	a.ln, a.adln = ln, adln
+	a.ln, a.adln, a.sockln = ln, adln, sockln
 	a.started.Store(true)
 	go a.serve(a.srv, ln)
+	go a.serve(a.sock, sockln)
 	go a.serve(a.admin, adln)
 	go a.sweepLoop()
 	a.ready.Store(true)
-	fields := []zap.Field{zap.String("listen", ln.Addr().String()), zap.String("admin_listen", adln.Addr().String())}
+	fields := []zap.Field{zap.String("socket", sockln.path), zap.String("socket_mode", a.cfg.Control.SocketMode),
+		zap.String("listen", ln.Addr().String()), zap.String("admin_listen", adln.Addr().String())}
 	if a.recv != nil {
 		fields = append(fields, zap.String("receiver_session_id", a.recv.SessionID()))
 	}
 	a.log.Info("agent listening", fields...)
+	switch {
+	case a.cfg.Control.Insecure:
+		a.log.Warn("control.insecure is true: anyone who can reach listen may /send and read the receiver, without a token",
+			zap.String("listen", ln.Addr().String()))
+	case a.token == "":
+		a.log.Warn("no control.token_file (or control.token) is configured: every request on listen gets 401, so the gateway cannot /send here",
+			zap.String("listen", ln.Addr().String()))
+	}
 	return nil
 }
 
@@ -173,7 +212,10 @@ func (a *Agent) serve(srv *http.Server, ln net.Listener) {
 	}
 }
 
-// Addr is the control API address actually bound.
+// SocketPath is the Unix socket the node's encoder stages over.
+func (a *Agent) SocketPath() string { return a.cfg.Control.Socket }
+
+// Addr is the TCP door's address actually bound.
 func (a *Agent) Addr() string { return a.ln.Addr().String() }
 
 // AdminAddr is the admin address actually bound.
@@ -194,10 +236,20 @@ func (a *Agent) Shutdown(ctx context.Context) error {
 	a.log.Info("draining")
 	var err error
 	if a.started.Swap(false) {
+		var sockErr error
+		stopped := make(chan struct{})
+		go func() { // stages and /sends drain side by side
+			defer close(stopped)
+			if sockErr = a.sock.Shutdown(ctx); sockErr != nil {
+				sockErr = errors.Join(sockErr, a.sock.Close())
+			}
+		}()
 		err = a.srv.Shutdown(ctx)
 		if err != nil {
 			err = errors.Join(err, a.srv.Close())
 		}
+		<-stopped
+		err = errors.Join(err, sockErr)
 		if aerr := a.admin.Shutdown(ctx); aerr != nil {
 			err = errors.Join(err, aerr, a.admin.Close())
 		}
@@ -331,9 +383,15 @@ func (a *Agent) adminMux() *http.ServeMux {
 		}
 		_, _ = w.Write([]byte("ready\n"))
 	})
-	mux.HandleFunc("GET /admin/staged", func(w http.ResponseWriter, _ *http.Request) {
+	protected := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, a.requireAdminToken(h)) }
+	protected("GET /admin/staged", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, a.store.snapshot(a.clk.Now()))
 	})
+	protected("GET /debug/pprof/", pprof.Index)
+	protected("GET /debug/pprof/cmdline", pprof.Cmdline)
+	protected("GET /debug/pprof/profile", pprof.Profile)
+	protected("GET /debug/pprof/symbol", pprof.Symbol)
+	protected("GET /debug/pprof/trace", pprof.Trace)
 	return mux
 }
 
@@ -347,16 +405,15 @@ var routeLabels = map[string]string{
 	"GET /v1/receiver/bytes": "receiver_bytes",
 }
 
-func (a *Agent) controlMux() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/stage", a.serveStage)
-	mux.HandleFunc("POST /v1/ack", a.serveAck)
-	mux.HandleFunc("POST /send", a.serveSend)
-	mux.HandleFunc("GET /v1/receiver", a.serveReceiver)
-	mux.HandleFunc("GET /v1/receiver/bytes", a.serveReceiverBytes)
+// counted serves mux and counts each answer by route and code; after, when
+// set, runs once the handler has returned.
+func (a *Agent) counted(mux *http.ServeMux, after func(*http.Request)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, code: http.StatusOK}
 		mux.ServeHTTP(rec, r)
+		if after != nil {
+			after(r)
+		}
 		route, ok := routeLabels[r.Pattern]
 		if !ok {
 			route = "other"

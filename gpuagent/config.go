@@ -1,7 +1,8 @@
 // Package gpuagent is encgate's per-node agent: it holds the embeddings the
-// node's encoder stages (raw bytes over the local API, or a /dev/shm file it
-// maps), and performs sglang's /send for them, writing the bytes into the
-// receiver's registered buffer over Mooncake's TCP transport with the
+// node's encoder stages over a Unix socket (raw bytes, or a memfd or
+// /dev/shm file whose descriptor it passes, mapped read-only), and performs
+// sglang's /send for them, over TCP with a bearer token, writing the bytes
+// into the receiver's registered buffer over Mooncake's TCP transport with the
 // invariants of sglang's own _send: staged at all, encode succeeded, size
 // matches, refcount by distinct destination, release on any send error, and
 // a TTL sweep.
@@ -13,19 +14,29 @@ import (
 	"net"
 	"net/netip"
 	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
 )
 
 // Config is the agent's YAML file. DefaultConfig holds every default.
 type Config struct {
-	// Listen is the control API: staging, /send and /v1/receiver (default
-	// 127.0.0.1:7401).
+	// Listen is the TCP door: the gateway's POST /send and GET /v1/receiver,
+	// each with control's bearer token (default 127.0.0.1:7401). Staging is
+	// never accepted here.
 	Listen string `yaml:"listen"`
-	// AdminListen serves /metrics, /healthz, /readyz and /admin/staged
-	// (default 127.0.0.1:7501). It must differ from Listen.
+	// AdminListen serves /metrics, /healthz, /readyz, /admin/staged and
+	// /debug/pprof (default 127.0.0.1:7501). It must differ from Listen.
 	AdminListen string `yaml:"admin_listen"`
+	// Control chooses who may drive the agent: the node's encoder over a
+	// Unix socket, the gateway over TCP with a bearer token.
+	Control ControlConfig `yaml:"control"`
+	// Admin protects the admin listener.
+	Admin AdminConfig `yaml:"admin"`
 	// Staging bounds what the encoder may stage.
 	Staging StagingConfig `yaml:"staging"`
 	// Transfer controls the Mooncake TCP initiator.
@@ -53,9 +64,73 @@ type StagingConfig struct {
 	// TTL frees a staged embedding this long after it was staged when its
 	// /sends never all came (default 180s, sglang's SEND_TIMEOUT).
 	TTL configfile.Duration `yaml:"ttl"`
-	// MaxStageBytes bounds one staged embedding (default 1GiB); larger gets
-	// 413. It must not exceed CapacityBytes.
+	// MaxStageBytes bounds one staged embedding; larger gets 413. 0 (the
+	// default) means min(1GiB, CapacityBytes); a value set must not exceed
+	// CapacityBytes.
 	MaxStageBytes configfile.ByteSize `yaml:"max_stage_bytes"`
+	// MaxConcurrent bounds the stages in progress at once (bytes still
+	// arriving; default 64); one more gets 503 with Retry-After.
+	MaxConcurrent int `yaml:"max_concurrent"`
+}
+
+// defaultMaxStage is staging.max_stage_bytes when capacity allows it.
+const defaultMaxStage = 1 << 30
+
+// MaxStage is the bound on one staged embedding that the agent applies:
+// max_stage_bytes, or when that is 0, min(1GiB, capacity_bytes).
+func (s StagingConfig) MaxStage() configfile.ByteSize {
+	if s.MaxStageBytes > 0 {
+		return s.MaxStageBytes
+	}
+	return min(defaultMaxStage, s.CapacityBytes)
+}
+
+// ControlConfig is the agent's two doors. The node's encoder stages
+// embeddings and ack frames over Socket, where the file's permissions are
+// the authentication, as for a container runtime's socket; staging is
+// refused over TCP. The gateway's /send comes over Listen (TCP) with
+// "Authorization: Bearer <token>"; with no token configured the TCP door
+// refuses every request (401) unless Insecure is written.
+type ControlConfig struct {
+	// Socket is the Unix socket the node's encoder stages over (default
+	// /run/encgate/agent.sock; its directory is created when missing). A
+	// stale socket left by a dead agent is replaced; a live one, or a file
+	// that is not a socket, is an error at start.
+	Socket string `yaml:"socket"`
+	// SocketMode is the socket file's permission bits in octal (default
+	// "0660"). Bits for others are refused unless Insecure: anyone on the
+	// node could stage.
+	SocketMode string `yaml:"socket_mode"`
+	// SocketGroup, when set, is the group (name or numeric gid) that owns
+	// the socket, so an encoder running as another user in that group can
+	// connect (default empty: the agent's own group).
+	SocketGroup string `yaml:"socket_group"`
+	// Token is the bearer token /send and /v1/receiver need over TCP; prefer
+	// TokenFile. At least 16 characters of RFC 6750's alphabet.
+	Token string `yaml:"token"`
+	// TokenFile holds the token instead (mode 0600 or 0640; one line). Set
+	// at most one of Token and TokenFile.
+	TokenFile string `yaml:"token_file"`
+	// Insecure, when true, lets TCP requests through without a token and
+	// permits socket modes open to others (for a laptop or the demo); the
+	// agent logs a warning at start. It cannot be combined with a token.
+	Insecure bool `yaml:"insecure"`
+	// ReadHeaderTimeout bounds the wait for a request's headers on either
+	// door (default 10s).
+	ReadHeaderTimeout configfile.Duration `yaml:"read_header_timeout"`
+	// BodyTimeout bounds the wait for the next bytes of a request body
+	// (default 10s): a stage whose body stalls this long gets 408 and its
+	// reservation is released, as when its connection closes.
+	BodyTimeout configfile.Duration `yaml:"body_timeout"`
+}
+
+// AdminConfig protects the admin listener, as the gateway's admin.token
+// does.
+type AdminConfig struct {
+	// Token, when set, is required as "Authorization: Bearer <token>" on
+	// /admin/... and /debug/pprof/...; /healthz, /readyz and /metrics stay
+	// open. Default empty: no token.
+	Token string `yaml:"token"`
 }
 
 // TransferConfig controls writes into receivers.
@@ -131,10 +206,16 @@ func DefaultConfig() Config {
 	return Config{
 		Listen:      "127.0.0.1:7401",
 		AdminListen: "127.0.0.1:7501",
+		Control: ControlConfig{
+			Socket:            "/run/encgate/agent.sock",
+			SocketMode:        "0660",
+			ReadHeaderTimeout: configfile.Duration(10e9),
+			BodyTimeout:       configfile.Duration(10e9),
+		},
 		Staging: StagingConfig{
 			CapacityBytes: 4 << 30,
 			TTL:           configfile.Duration(180e9),
-			MaxStageBytes: 1 << 30,
+			MaxConcurrent: 64,
 		},
 		Transfer: TransferConfig{
 			AllowNetworks:  []string{"127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"},
@@ -177,6 +258,8 @@ func (c Config) Validate() error {
 	if c.Listen != "" && c.Listen == c.AdminListen && !strings.HasSuffix(c.Listen, ":0") {
 		p.Addf("admin_listen", "must differ from listen (%s)", c.Listen)
 	}
+	c.Control.validate(&p, "control")
+	bearer.Check(&p, "admin.token", c.Admin.Token)
 	c.Staging.validate(&p, "staging")
 	c.Transfer.validate(&p, "transfer")
 	if c.Receiver != nil {
@@ -198,14 +281,73 @@ func (s StagingConfig) validate(p *configfile.Problems, path string) {
 		p.Addf(path+".capacity_bytes", "must be > 0, got %s", s.CapacityBytes)
 	}
 	p.Positive(path+".ttl", s.TTL)
+	if s.MaxConcurrent < 1 || s.MaxConcurrent > maxConcurrentStages {
+		p.Addf(path+".max_concurrent", "must be between 1 and %d, got %d", maxConcurrentStages, s.MaxConcurrent)
+	}
 	switch {
-	case s.MaxStageBytes <= 0:
-		p.Addf(path+".max_stage_bytes", "must be > 0, got %s", s.MaxStageBytes)
+	case s.MaxStageBytes < 0:
+		p.Addf(path+".max_stage_bytes", "must be >= 0 (0: min(1GiB, capacity_bytes)), got %s", s.MaxStageBytes)
 	case int64(s.MaxStageBytes) > maxInt:
 		p.Addf(path+".max_stage_bytes", "must fit in memory, got %s", s.MaxStageBytes)
 	case s.CapacityBytes > 0 && s.MaxStageBytes > s.CapacityBytes:
 		p.Addf(path+".max_stage_bytes", "must be <= capacity_bytes (%s), got %s", s.CapacityBytes, s.MaxStageBytes)
 	}
+}
+
+// maxConcurrentStages caps staging.max_concurrent.
+const maxConcurrentStages = 4096
+
+func (c ControlConfig) validate(p *configfile.Problems, path string) {
+	if c.Socket == "" {
+		p.Addf(path+".socket", "must be set (the Unix socket the node's encoder stages over)")
+	} else if !filepath.IsAbs(c.Socket) {
+		p.Addf(path+".socket", "must be an absolute path, got %q", c.Socket)
+	} else if len(c.Socket) > maxSocketPath {
+		p.Addf(path+".socket", "must be at most %d bytes (a Unix socket address), got %d", maxSocketPath, len(c.Socket))
+	}
+	if mode, err := c.socketMode(); err != nil {
+		p.Addf(path+".socket_mode", "must be octal permission bits such as \"0660\", got %q", c.SocketMode)
+	} else if mode&0o007 != 0 && !c.Insecure {
+		p.Addf(path+".socket_mode", "%q lets every user on the node stage; use 0660 with socket_group (or control.insecure: true)", c.SocketMode)
+	} else if mode&0o600 != 0o600 {
+		p.Addf(path+".socket_mode", "%q must give the agent's own user read and write (0600 at least)", c.SocketMode)
+	}
+	switch {
+	case c.Token != "" && c.TokenFile != "":
+		p.Addf(path+".token_file", "set at most one of token and token_file")
+	case c.Token != "":
+		bearer.Check(p, path+".token", c.Token)
+	case c.TokenFile != "":
+		if _, err := bearer.ReadFile(c.TokenFile); err != nil {
+			p.Addf(path+".token_file", "%v", err)
+		}
+	}
+	if c.Insecure && (c.Token != "" || c.TokenFile != "") {
+		p.Addf(path+".insecure", "cannot be true with a token: the token would not be required")
+	}
+	p.Positive(path+".read_header_timeout", c.ReadHeaderTimeout)
+	p.Positive(path+".body_timeout", c.BodyTimeout)
+}
+
+// maxSocketPath is the longest Unix socket path Linux accepts (sun_path is
+// 108 bytes with its terminating NUL).
+const maxSocketPath = 107
+
+// socketMode parses SocketMode.
+func (c ControlConfig) socketMode() (os.FileMode, error) {
+	m, err := strconv.ParseUint(c.SocketMode, 8, 32)
+	if err != nil || m > 0o777 || c.SocketMode == "" {
+		return 0, fmt.Errorf("bad mode")
+	}
+	return os.FileMode(m), nil
+}
+
+// token is the bearer token TCP requests need, "" when none is configured.
+func (c ControlConfig) token() (string, error) {
+	if c.TokenFile != "" {
+		return bearer.ReadFile(c.TokenFile)
+	}
+	return c.Token, nil
 }
 
 func (t TransferConfig) validate(p *configfile.Problems, path string) {

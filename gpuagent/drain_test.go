@@ -61,6 +61,7 @@ func (a *testAgent) sendNoFatal(s sendReq) reply {
 	if err != nil {
 		return reply{body: err.Error()}
 	}
+	req.Header.Set("Authorization", "Bearer "+testToken)
 	resp, err := client.Do(req)
 	if err != nil {
 		return reply{body: err.Error()}

@@ -9,7 +9,11 @@ import (
 	"log"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,16 +31,51 @@ func TestMain(m *testing.M) {
 }
 
 // client never keeps connections alive, so no client goroutine outlives a
-// test.
+// test. A URL whose host is a socketHost dials that agent's Unix socket.
 var client = &http.Client{
-	Timeout:   30 * time.Second,
-	Transport: &http.Transport{DisableKeepAlives: true},
+	Timeout: 30 * time.Second,
+	Transport: &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if path, ok := sockets.Load(addr); ok {
+			return (&net.Dialer{}).DialContext(ctx, "unix", path.(string))
+		}
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}},
 }
 
-// testAgent is a started agent with its addresses and registry.
+// sockets maps a socketHost's host:port to the Unix socket it stands for.
+var (
+	sockets  sync.Map
+	sockSeen atomic.Int64
+)
+
+// socketHost registers path and returns a host:port for URLs that reach it.
+func socketHost(path string) string {
+	host := fmt.Sprintf("agent-%d.sock:80", sockSeen.Add(1))
+	sockets.Store(host, path)
+	return host
+}
+
+// testToken is the control token of every test agent; do sends it.
+const testToken = "test-token-0123456789"
+
+// socketPath is a fresh path for an agent's Unix socket, short enough for
+// sun_path whatever the test's name, removed at test end.
+func socketPath(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "ag")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return filepath.Join(dir, "agent.sock")
+}
+
+// testAgent is a started agent with its addresses and registry: base is the
+// TCP door (/send), ctl the Unix socket (staging), admin the admin listener.
 type testAgent struct {
 	*Agent
 	base  string
+	ctl   string
 	admin string
 	reg   *prometheus.Registry
 }
@@ -47,6 +86,7 @@ func startAgent(t *testing.T, mutate func(*Config), clk clock.Clock, before func
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Control.Socket, cfg.Control.Token = socketPath(t), testToken
 	cfg.Transfer.Timeout = 10e9
 	if mutate != nil {
 		mutate(&cfg)
@@ -72,7 +112,8 @@ func startAgent(t *testing.T, mutate func(*Config), clk clock.Clock, before func
 			t.Errorf("after shutdown %d bytes in %d entries still held", held, n)
 		}
 	})
-	return &testAgent{Agent: a, base: "http://" + a.Addr(), admin: "http://" + a.AdminAddr(), reg: reg}
+	return &testAgent{Agent: a, base: "http://" + a.Addr(), ctl: "http://" + socketHost(a.SocketPath()),
+		admin: "http://" + a.AdminAddr(), reg: reg}
 }
 
 // startReceiver runs a Mooncake TCP receiver with one 1MiB buffer.
@@ -109,11 +150,22 @@ type reply struct {
 	body   string
 }
 
+// do sends a request with the test agents' control token.
 func do(t *testing.T, method, url string, body io.Reader) reply {
+	t.Helper()
+	return doAs(t, method, url, body, "Bearer "+testToken)
+}
+
+// doAs sends a request with authorization as its Authorization header
+// (none when empty).
+func doAs(t *testing.T, method, url string, body io.Reader, authorization string) reply {
 	t.Helper()
 	req, err := http.NewRequest(method, url, body)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if authorization != "" {
+		req.Header.Set("Authorization", authorization)
 	}
 	resp, err := client.Do(req)
 	if err != nil {
@@ -130,7 +182,7 @@ func do(t *testing.T, method, url string, body io.Reader) reply {
 // stage posts raw bytes for id as [tokens, dim] of dtype.
 func (a *testAgent) stage(t *testing.T, id string, tokens, dim int, dtype string, data []byte) reply {
 	t.Helper()
-	return do(t, http.MethodPost, fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=%s", a.base, id, tokens, dim, dtype),
+	return do(t, http.MethodPost, fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=%s", a.ctl, id, tokens, dim, dtype),
 		bytes.NewReader(data))
 }
 
@@ -153,7 +205,7 @@ func ackFrameOf(id string) []byte { return []byte("ack-frame-for:" + id) }
 func (a *testAgent) ackOK(t *testing.T, id string) []byte {
 	t.Helper()
 	frame := ackFrameOf(id)
-	r := do(t, http.MethodPost, a.base+"/v1/ack?req_id="+id, bytes.NewReader(frame))
+	r := do(t, http.MethodPost, a.ctl+"/v1/ack?req_id="+id, bytes.NewReader(frame))
 	expect(t, r, http.StatusOK, fmt.Sprintf(`{"req_id":%q,"ack_frame_bytes":%d}`, id, len(frame)))
 	return frame
 }

@@ -40,7 +40,19 @@ type metrics struct {
 	notifyFailures prometheus.Counter
 	acks           *prometheus.CounterVec // result
 	ackTime        prometheus.Histogram
+	unauthorized   *prometheus.CounterVec // door
+	stagesActive   prometheus.Gauge
+	stagesCut      *prometheus.CounterVec // reason
+	ownerConflicts prometheus.Counter
 }
+
+// Why a stage in progress ended without its bytes, the values of
+// encgate_agent_stages_abandoned_total{reason}.
+const (
+	cutStalled = "stalled" // no body bytes for control.body_timeout
+	cutClosed  = "closed"  // the connection closed or broke mid-body
+	cutBusy    = "busy"    // staging.max_concurrent stages were already in progress
+)
 
 func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
@@ -86,9 +98,32 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help:    "Time of one ack delivery (connect, ZMTP handshake, write and linger), sent or failed.",
 			Buckets: prometheus.ExponentialBucketsRange(0.0001, 30, 16),
 		}),
+		unauthorized: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_unauthorized_total",
+			Help: "Requests refused with 401 for a missing or wrong bearer token, by door: control (the TCP listener's /send and receiver routes) or admin.",
+		}, []string{"door"}),
+		stagesActive: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "encgate_agent_stages_in_progress",
+			Help: "Stages whose bytes are still arriving (each holds its reservation until it ends).",
+		}),
+		stagesCut: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_agent_stages_abandoned_total",
+			Help: "Stages that ended without their bytes, by reason: stalled (no body bytes for control.body_timeout), closed (the connection went away mid-body), busy (staging.max_concurrent already in progress; refused before reserving).",
+		}, []string{"reason"}),
+		ownerConflicts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_agent_owner_conflicts_total",
+			Help: "Stages, ack frames and failures refused with 409 because another process staged that req_id first.",
+		}),
 	}
 	reg.MustRegister(m.stagedBytes, m.stagedEntries, m.transferBytes, m.transferTime,
-		m.transfers, m.registrations, m.requests, m.notifyFailures, m.acks, m.ackTime)
+		m.transfers, m.registrations, m.requests, m.notifyFailures, m.acks, m.ackTime,
+		m.unauthorized, m.stagesActive, m.stagesCut, m.ownerConflicts)
+	for _, d := range []string{"control", "admin"} {
+		m.unauthorized.WithLabelValues(d)
+	}
+	for _, r := range []string{cutStalled, cutClosed, cutBusy} {
+		m.stagesCut.WithLabelValues(r)
+	}
 	for _, r := range []string{ackSent, ackFailed, ackSkipped} {
 		m.acks.WithLabelValues(r)
 	}

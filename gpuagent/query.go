@@ -17,8 +17,11 @@ var elementSizes = map[string]int64{
 	"float8_e5m2":   1,
 }
 
-// shmDir is the only directory a stage may map files from.
-const shmDir = "/dev/shm/"
+// Stage sources, the values of a stage's source parameter.
+const (
+	sourceBody = "body" // the request body holds the bytes (the default)
+	sourceFD   = "fd"   // a file descriptor passed with the request (SCM_RIGHTS) holds them
+)
 
 // stageRequest is a parsed POST /v1/stage query.
 type stageRequest struct {
@@ -30,9 +33,9 @@ type stageRequest struct {
 	Dtype  string // a key of elementSizes
 	Elem   int64  // element size in bytes
 	NBytes int64  // Tokens*Dim*Elem, > 0
-	// SHM, when set, is the /dev/shm file to map at Offset instead of
-	// reading the body.
-	SHM    string
+	// Source is sourceBody or sourceFD; with sourceFD the passed file is
+	// mapped from Offset.
+	Source string
 	Offset int64
 }
 
@@ -44,12 +47,14 @@ func (e *badRequest) Error() string { return e.msg }
 func badf(format string, args ...any) error { return &badRequest{msg: fmt.Sprintf(format, args...)} }
 
 var stageKeys = map[string]bool{
-	"req_id": true, "error": true, "tokens": true, "dim": true, "dtype": true, "shm": true, "offset": true,
+	"req_id": true, "error": true, "tokens": true, "dim": true, "dtype": true, "source": true, "offset": true,
 }
 
 // parseStageQuery parses and checks a /v1/stage query string. Every key at
 // most once, no unknown keys; req_id always; then either error=MSG alone, or
-// tokens, dim and dtype with an optional shm=/dev/shm/NAME and offset.
+// tokens, dim and dtype with an optional source (body, or fd with an
+// optional offset). No parameter names a file: a file's bytes come only as
+// a descriptor the stager passes over the Unix socket.
 // Errors are *badRequest.
 func parseStageQuery(raw string) (stageRequest, error) {
 	var r stageRequest
@@ -73,7 +78,7 @@ func parseStageQuery(raw string) (stageRequest, error) {
 		if r.Error = q.Get("error"); r.Error == "" {
 			return r, badf("encgate: error must not be empty")
 		}
-		for _, k := range []string{"tokens", "dim", "dtype", "shm", "offset"} {
+		for _, k := range []string{"tokens", "dim", "dtype", "source", "offset"} {
 			if q.Has(k) {
 				return r, badf("encgate: %s cannot be given with error", k)
 			}
@@ -95,14 +100,18 @@ func parseStageQuery(raw string) (stageRequest, error) {
 		return r, badf("encgate: tokens*dim*element_size = %d*%d*%d overflows", r.Tokens, r.Dim, r.Elem)
 	}
 	r.NBytes = r.Tokens * r.Dim * r.Elem
-	if !q.Has("shm") {
+	switch r.Source = q.Get("source"); r.Source {
+	case "":
+		r.Source = sourceBody
+	case sourceBody, sourceFD:
+	default:
+		return r, badf("encgate: source must be body or fd, got %q", r.Source)
+	}
+	if r.Source == sourceBody {
 		if q.Has("offset") {
-			return r, badf("encgate: offset needs shm")
+			return r, badf("encgate: offset needs source=fd")
 		}
 		return r, nil
-	}
-	if r.SHM, err = shmPath(q.Get("shm")); err != nil {
-		return r, err
 	}
 	if q.Has("offset") {
 		if r.Offset, err = decimal(q.Get("offset")); err != nil {
@@ -131,18 +140,4 @@ func decimal(s string) (int64, error) {
 		return 0, strconv.ErrSyntax
 	}
 	return strconv.ParseInt(s, 10, 64)
-}
-
-// shmPath checks that p names a file directly inside /dev/shm.
-func shmPath(p string) (string, error) {
-	name, ok := strings.CutPrefix(p, shmDir)
-	switch {
-	case !ok:
-		return "", badf("encgate: shm must be a file in %s, got %q", shmDir, p)
-	case strings.Contains(name, ".."):
-		return "", badf("encgate: shm must not contain \"..\", got %q", p)
-	case name == "" || name == "." || strings.ContainsAny(name, "/\x00"):
-		return "", badf("encgate: shm must name a file directly in %s, got %q", shmDir, p)
-	}
-	return p, nil
 }

@@ -8,15 +8,15 @@ import (
 )
 
 // region is a staged embedding's memory: data is the embedding, mapping is
-// what to unmap when it is released (anonymous memory for bytes that came
-// over HTTP, a read-only file mapping for /dev/shm). Neither is Go heap, so
+// what to unmap when it is released (anonymous memory for bytes that came in
+// a body, a read-only mapping of a file whose descriptor the stager passed). Neither is Go heap, so
 // the garbage collector never sees or moves the bytes, and pinning them
 // (mlock) pins only them.
 type region struct {
 	data    []byte
 	mapping []byte
-	// file is the open shm file (nil for anonymous memory), kept so a send
-	// can see that its writer truncated it; need is offset+len(data).
+	// file is the passed file (nil for anonymous memory), kept so a send can
+	// see that its writer truncated it; need is offset+len(data).
 	file *os.File
 	need int64
 }
@@ -30,17 +30,14 @@ func allocRegion(n int64) (region, error) {
 	return region{data: m, mapping: m}, nil
 }
 
-// mapSHM maps n bytes of the file at path from offset, read-only and shared
-// with the writer: the mapping starts at the page boundary below offset and
-// data is sliced from it. The file must be a regular file (not a symlink)
-// holding at least offset+n bytes. Errors are *badRequest when the caller
-// named something unusable.
-func mapSHM(path string, offset, n int64) (reg region, err error) {
-	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
-	if err != nil {
-		return region{}, badf("encgate: cannot open shm %s: %v", path, err)
-	}
-	f := os.NewFile(uintptr(fd), path)
+// mapFD maps n bytes of the passed file fd from offset, read-only and shared
+// with the writer (a memfd or a /dev/shm file the stager opened): the
+// mapping starts at the page boundary below offset and data is sliced from
+// it. The file must be a regular file holding at least offset+n bytes and
+// readable through fd. mapFD owns fd: kept in the region, or closed. Errors
+// are *badRequest when the stager passed something unusable.
+func mapFD(fd int, offset, n int64) (reg region, err error) {
+	f := os.NewFile(uintptr(fd), "passed file")
 	defer func() {
 		if err != nil {
 			f.Close()
@@ -48,19 +45,22 @@ func mapSHM(path string, offset, n int64) (reg region, err error) {
 	}()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(fd, &st); err != nil {
-		return region{}, badf("encgate: cannot stat shm %s: %v", path, err)
+		return region{}, badf("encgate: cannot stat the passed file: %v", err)
 	}
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return region{}, badf("encgate: shm %s is not a regular file", path)
+		return region{}, badf("encgate: the passed descriptor is not a regular file (a memfd or a /dev/shm file)")
 	}
 	if st.Size < offset || st.Size-offset < n {
-		return region{}, badf("encgate: shm %s holds %d bytes, fewer than offset %d + %d", path, st.Size, offset, n)
+		return region{}, badf("encgate: the passed file holds %d bytes, fewer than offset %d + %d", st.Size, offset, n)
 	}
 	page := int64(os.Getpagesize())
 	skip := offset % page
 	m, err := syscall.Mmap(fd, offset-skip, int(n+skip), syscall.PROT_READ, syscall.MAP_SHARED)
+	if errors.Is(err, syscall.EACCES) {
+		return region{}, badf("encgate: the passed descriptor is not open for reading")
+	}
 	if err != nil {
-		return region{}, fmt.Errorf("mapping shm %s: %w", path, err)
+		return region{}, fmt.Errorf("mapping the passed file: %w", err)
 	}
 	return region{data: m[skip : skip+n : skip+n], mapping: m, file: f, need: offset + n}, nil
 }
@@ -73,11 +73,11 @@ func (r region) check() error {
 	}
 	st, err := r.file.Stat()
 	if err != nil {
-		return fmt.Errorf("cannot stat shm %s: %w", r.file.Name(), err)
+		return fmt.Errorf("cannot stat the staged file: %w", err)
 	}
 	if st.Size() < r.need {
-		return fmt.Errorf("shm %s now holds %d bytes, fewer than the %d staged from it (truncated by its writer?)",
-			r.file.Name(), st.Size(), r.need)
+		return fmt.Errorf("the staged file now holds %d bytes, fewer than the %d staged from it (truncated by its writer?)",
+			st.Size(), r.need)
 	}
 	return nil
 }

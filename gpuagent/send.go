@@ -31,11 +31,16 @@ func (a *Agent) serveSend(w http.ResponseWriter, r *http.Request) {
 	a.sends.Add(1)
 	defer a.sends.Done()
 	defer a.sending.Add(-1)
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxSendBody))
+	body, err := io.ReadAll(a.body(w, http.MaxBytesReader(w, r.Body, maxSendBody)))
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			writeEnvelope(w, http.StatusRequestEntityTooLarge, "encgate: /send body over 64KiB", "")
+			return
+		}
+		if stalled(err) {
+			writeEnvelope(w, http.StatusRequestTimeout, fmt.Sprintf(
+				"encgate: the /send body sent nothing for control.body_timeout (%s)", a.cfg.Control.BodyTimeout), "")
 			return
 		}
 		writeEnvelope(w, http.StatusBadRequest, "encgate: reading the /send body: "+err.Error(), "")
@@ -189,7 +194,7 @@ func (a *Agent) transferError(req sglang.Send, nbytes int, err error) *sendError
 		"%s for %s (session=%s, nbytes=%d, ret=-1): %v", sglang.TransferFailed, req.ReqID, req.SessionID, nbytes, err)}
 }
 
-// write runs the initiator. A /dev/shm file truncated by its writer after
+// write runs the initiator. A passed file truncated by its writer after
 // staging must not crash the agent: the kernel fails the socket write
 // (EFAULT), and should Go code on this goroutine read the mapping, the fault
 // becomes an error too.
@@ -200,7 +205,7 @@ func (a *Agent) write(ctx context.Context, session string, addr uint64, data []b
 			if _, fault := p.(interface{ Addr() uintptr }); !fault {
 				panic(p)
 			}
-			err = fmt.Errorf("reading the staged region faulted (was its shm file truncated?): %v", p)
+			err = fmt.Errorf("reading the staged region faulted (was its file truncated?): %v", p)
 		}
 	}()
 	return a.init.Write(ctx, session, addr, data)

@@ -133,7 +133,7 @@ func TestSendErrors(t *testing.T) {
 		released(t, "never-staged")
 	})
 	t.Run("failed encode", func(t *testing.T) {
-		r := do(t, http.MethodPost, a.base+"/v1/stage?req_id=bad&error=Internal+encoding+error%3A+oom", nil)
+		r := do(t, http.MethodPost, a.ctl+"/v1/stage?req_id=bad&error=Internal+encoding+error%3A+oom", nil)
 		expect(t, r, http.StatusOK, `{"req_id":"bad","error":"Internal encoding error: oom"}`)
 		if st := a.staged(t); len(st) != 1 || st[0].State != "failed" || st[0].Error != "Internal encoding error: oom" {
 			t.Fatalf("staged = %+v", st)

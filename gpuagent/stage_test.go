@@ -2,20 +2,20 @@ package gpuagent
 
 import (
 	"bytes"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
@@ -29,19 +29,21 @@ func TestParseStageQuery(t *testing.T) {
 		err   string
 	}{
 		{"bfloat16", "req_id=r&tokens=4&dim=8&dtype=bfloat16",
-			stageRequest{ReqID: "r", Tokens: 4, Dim: 8, Dtype: "bfloat16", Elem: 2, NBytes: 64}, ""},
+			stageRequest{ReqID: "r", Tokens: 4, Dim: 8, Dtype: "bfloat16", Elem: 2, NBytes: 64, Source: sourceBody}, ""},
 		{"float32", "req_id=r&tokens=1&dim=3&dtype=float32",
-			stageRequest{ReqID: "r", Tokens: 1, Dim: 3, Dtype: "float32", Elem: 4, NBytes: 12}, ""},
+			stageRequest{ReqID: "r", Tokens: 1, Dim: 3, Dtype: "float32", Elem: 4, NBytes: 12, Source: sourceBody}, ""},
 		{"float16", "dtype=float16&dim=2&tokens=2&req_id=a%20b",
-			stageRequest{ReqID: "a b", Tokens: 2, Dim: 2, Dtype: "float16", Elem: 2, NBytes: 8}, ""},
+			stageRequest{ReqID: "a b", Tokens: 2, Dim: 2, Dtype: "float16", Elem: 2, NBytes: 8, Source: sourceBody}, ""},
 		{"fp8 e4m3", "req_id=r&tokens=5&dim=5&dtype=float8_e4m3fn",
-			stageRequest{ReqID: "r", Tokens: 5, Dim: 5, Dtype: "float8_e4m3fn", Elem: 1, NBytes: 25}, ""},
+			stageRequest{ReqID: "r", Tokens: 5, Dim: 5, Dtype: "float8_e4m3fn", Elem: 1, NBytes: 25, Source: sourceBody}, ""},
 		{"fp8 e5m2", "req_id=r&tokens=5&dim=5&dtype=float8_e5m2",
-			stageRequest{ReqID: "r", Tokens: 5, Dim: 5, Dtype: "float8_e5m2", Elem: 1, NBytes: 25}, ""},
-		{"shm", "req_id=r&tokens=2&dim=2&dtype=float32&shm=/dev/shm/emb-1&offset=4100",
-			stageRequest{ReqID: "r", Tokens: 2, Dim: 2, Dtype: "float32", Elem: 4, NBytes: 16, SHM: "/dev/shm/emb-1", Offset: 4100}, ""},
-		{"shm no offset", "req_id=r&tokens=2&dim=2&dtype=float32&shm=%2Fdev%2Fshm%2Fx",
-			stageRequest{ReqID: "r", Tokens: 2, Dim: 2, Dtype: "float32", Elem: 4, NBytes: 16, SHM: "/dev/shm/x"}, ""},
+			stageRequest{ReqID: "r", Tokens: 5, Dim: 5, Dtype: "float8_e5m2", Elem: 1, NBytes: 25, Source: sourceBody}, ""},
+		{"fd", "req_id=r&tokens=2&dim=2&dtype=float32&source=fd&offset=4100",
+			stageRequest{ReqID: "r", Tokens: 2, Dim: 2, Dtype: "float32", Elem: 4, NBytes: 16, Source: sourceFD, Offset: 4100}, ""},
+		{"fd no offset", "req_id=r&tokens=2&dim=2&dtype=float32&source=fd",
+			stageRequest{ReqID: "r", Tokens: 2, Dim: 2, Dtype: "float32", Elem: 4, NBytes: 16, Source: sourceFD}, ""},
+		{"body named", "req_id=r&tokens=2&dim=2&dtype=float32&source=body",
+			stageRequest{ReqID: "r", Tokens: 2, Dim: 2, Dtype: "float32", Elem: 4, NBytes: 16, Source: sourceBody}, ""},
 		{"error", "req_id=r&error=boom+now", stageRequest{ReqID: "r", Error: "boom now"}, ""},
 
 		{"no req_id", "tokens=1&dim=1&dtype=float32", stageRequest{}, "missing or invalid req_id"},
@@ -59,14 +61,12 @@ func TestParseStageQuery(t *testing.T) {
 		{"bad escape", "req_id=%zz", stageRequest{}, "invalid stage query"},
 		{"empty error", "req_id=r&error=", stageRequest{}, "error must not be empty"},
 		{"error with shape", "req_id=r&error=x&tokens=1", stageRequest{}, "tokens cannot be given with error"},
-		{"offset alone", "req_id=r&tokens=1&dim=1&dtype=float32&offset=0", stageRequest{}, "offset needs shm"},
-		{"shm outside", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/tmp/x", stageRequest{}, "must be a file in /dev/shm/"},
-		{"shm dotdot", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/../etc/passwd", stageRequest{}, `must not contain ".."`},
-		{"shm dir", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/", stageRequest{}, "directly in"},
-		{"shm nested", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/a/b", stageRequest{}, "directly in"},
-		{"shm relative", "req_id=r&tokens=1&dim=1&dtype=float32&shm=dev/shm/a", stageRequest{}, "must be a file in"},
-		{"bad offset", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/a&offset=-4", stageRequest{}, "offset must be"},
-		{"offset overflow", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/a&offset=9223372036854775807", stageRequest{}, "offset+size overflows"},
+		{"offset alone", "req_id=r&tokens=1&dim=1&dtype=float32&offset=0", stageRequest{}, "offset needs source=fd"},
+		// No parameter names a file: the path form of earlier agents is gone.
+		{"a path", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/victim", stageRequest{}, `unknown stage parameter "shm"`},
+		{"unknown source", "req_id=r&tokens=1&dim=1&dtype=float32&source=/dev/shm/victim", stageRequest{}, "source must be body or fd"},
+		{"bad offset", "req_id=r&tokens=1&dim=1&dtype=float32&source=fd&offset=-4", stageRequest{}, "offset must be"},
+		{"offset overflow", "req_id=r&tokens=1&dim=1&dtype=float32&source=fd&offset=9223372036854775807", stageRequest{}, "offset+size overflows"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -89,7 +89,7 @@ func FuzzStageQuery(f *testing.F) {
 	for _, s := range []string{
 		"req_id=r&tokens=4&dim=8&dtype=bfloat16",
 		"req_id=r&error=x",
-		"req_id=r&tokens=2&dim=2&dtype=float32&shm=/dev/shm/a&offset=4100",
+		"req_id=r&tokens=2&dim=2&dtype=float32&source=fd&offset=4100",
 		"req_id=r&tokens=4611686018427387904&dim=4&dtype=float32",
 		"req_id=%zz&&;=",
 		"shm=/dev/shm/../x",
@@ -109,7 +109,7 @@ func FuzzStageQuery(f *testing.F) {
 			t.Fatal("accepted an empty req_id")
 		}
 		if r.Error != "" {
-			if r.NBytes != 0 || r.SHM != "" {
+			if r.NBytes != 0 || r.Source != "" {
 				t.Fatalf("error stage with a shape: %+v", r)
 			}
 			return
@@ -118,12 +118,11 @@ func FuzzStageQuery(f *testing.F) {
 			r.NBytes/r.Elem/r.Dim != r.Tokens || r.NBytes%(r.Elem*r.Dim) != 0 {
 			t.Fatalf("inconsistent shape: %+v", r)
 		}
-		if r.SHM != "" && (!strings.HasPrefix(r.SHM, shmDir) || strings.Contains(r.SHM, "..") ||
-			strings.Contains(r.SHM[len(shmDir):], "/") || r.Offset < 0 || r.Offset+r.NBytes < 0) {
-			t.Fatalf("unsafe shm: %+v", r)
+		if r.Source != sourceBody && r.Source != sourceFD {
+			t.Fatalf("source %q", r.Source)
 		}
-		if r.SHM == "" && r.Offset != 0 {
-			t.Fatalf("offset without shm: %+v", r)
+		if r.Offset < 0 || r.Offset+r.NBytes < 0 || (r.Source == sourceBody && r.Offset != 0) {
+			t.Fatalf("unsafe offset: %+v", r)
 		}
 	})
 }
@@ -133,7 +132,7 @@ func TestStageErrors(t *testing.T) {
 		c.Staging.CapacityBytes = 200
 		c.Staging.MaxStageBytes = 128
 	}, nil, nil)
-	url := func(q string) string { return a.base + "/v1/stage?" + q }
+	url := func(q string) string { return a.ctl + "/v1/stage?" + q }
 
 	expectErr(t, a.stage(t, "short", 4, 8, "bfloat16", make([]byte, 63)), http.StatusBadRequest, "short",
 		"body has 63 bytes, want tokens*dim*element_size = 4*8*2 = 64")
@@ -228,41 +227,42 @@ func TestTTLSweep(t *testing.T) {
 	}
 }
 
-// shmFile writes data at offset into a fresh /dev/shm file, removed at test end.
-func shmFile(t *testing.T, offset int, data []byte) string {
+// memfd is a fresh memfd holding data at offset (and 100 bytes more): what
+// an encoder passes for source=fd. Closed at test end.
+func memfd(t *testing.T, offset int, data []byte) *os.File {
 	t.Helper()
-	if _, err := os.Stat(shmDir); err != nil {
-		t.Skipf("no %s: %v", shmDir, err)
+	fd, err := unix.MemfdCreate("encgate-test", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Skipf("memfd_create: %v", err)
 	}
-	var rnd [8]byte
-	_, _ = rand.Read(rnd[:])
-	path := fmt.Sprintf("%sencgate-test-%d-%s", shmDir, os.Getpid(), hex.EncodeToString(rnd[:]))
+	f := os.NewFile(uintptr(fd), "memfd")
+	t.Cleanup(func() { _ = f.Close() })
 	buf := make([]byte, offset+len(data)+100)
 	copy(buf[offset:], data)
-	if err := os.WriteFile(path, buf, 0o600); err != nil {
+	if _, err := f.Write(buf); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = os.Remove(path) })
-	return path
+	return f
 }
 
-func TestStageFromSHM(t *testing.T) {
+func TestStageFromAPassedFile(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
 	data := pattern(6*10*4, 3)
 	const offset = 4096 + 17 // not page-aligned
-	path := shmFile(t, offset, data)
-	r := do(t, http.MethodPost, fmt.Sprintf("%s/v1/stage?req_id=shm&tokens=6&dim=10&dtype=float32&shm=%s&offset=%d", a.base, path, offset), nil)
-	expect(t, r, http.StatusOK, `{"req_id":"shm","embedding_size":240,"embedding_len":6,"embedding_dim":10}`)
+	f := memfd(t, offset, data)
+	r := a.stageFD(t, fmt.Sprintf("req_id=fd&tokens=6&dim=10&dtype=float32&source=fd&offset=%d", offset), f)
+	expect(t, r, http.StatusOK, `{"req_id":"fd","embedding_size":240,"embedding_len":6,"embedding_dim":10}`)
 	st := a.staged(t)
-	if len(st) != 1 || st[0].Source != "shm" || st[0].Registration != regShared || st[0].Bytes != 240 {
+	if len(st) != 1 || st[0].Source != sourceFD || st[0].Registration != regShared || st[0].Bytes != 240 ||
+		st[0].StagedBy != fmt.Sprintf("pid %d (uid %d)", os.Getpid(), os.Getuid()) {
 		t.Fatalf("staged = %+v", st)
 	}
 	b := base(t, recv) + 512
-	a.ackOK(t, "shm") // the ack may come after the embedding
+	a.ackOK(t, "fd") // the ack may come after the embedding
 	sink := startSink(t)
-	expect(t, a.send(t, sendReq{id: "shm", port: sink.port, session: recv.SessionID(), addr: b, count: 1}), http.StatusOK, "null")
-	sink.expectAck(t, ackFrameOf("shm"))
+	expect(t, a.send(t, sendReq{id: "fd", port: sink.port, session: recv.SessionID(), addr: b, count: 1}), http.StatusOK, "null")
+	sink.expectAck(t, ackFrameOf("fd"))
 	got, _ := recv.Bytes(b, len(data))
 	if !bytes.Equal(got, data) {
 		t.Fatalf("receiver holds %x\nwant %x", got, data)
@@ -274,14 +274,14 @@ func TestStageFromSHM(t *testing.T) {
 	}
 }
 
-func TestSHMTruncatedAfterStagingIsNotSent(t *testing.T) {
+func TestPassedFileTruncatedAfterStagingIsNotSent(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, nil, nil)
 	data := pattern(64<<10, 5)
-	path := shmFile(t, 0, data)
-	r := do(t, http.MethodPost, fmt.Sprintf("%s/v1/stage?req_id=cut&tokens=16&dim=1024&dtype=float32&shm=%s", a.base, path), nil)
+	f := memfd(t, 0, data)
+	r := a.stageFD(t, "req_id=cut&tokens=16&dim=1024&dtype=float32&source=fd", f)
 	expect(t, r, http.StatusOK, `{"req_id":"cut","embedding_size":65536,"embedding_len":16,"embedding_dim":1024}`)
-	if err := os.Truncate(path, 0); err != nil {
+	if err := f.Truncate(0); err != nil {
 		t.Fatal(err)
 	}
 	r = a.send(t, sendReq{id: "cut", port: 1, session: recv.SessionID(), addr: base(t, recv), count: 1})
@@ -291,23 +291,37 @@ func TestSHMTruncatedAfterStagingIsNotSent(t *testing.T) {
 	}
 }
 
-func TestStageFromSHMRefusals(t *testing.T) {
+func TestStageFromAPassedFileRefusals(t *testing.T) {
 	a := startAgent(t, nil, nil, nil)
-	path := shmFile(t, 0, make([]byte, 16))
-	link := path + "-link"
-	if err := os.Symlink(path, link); err != nil {
+	f := memfd(t, 0, make([]byte, 16))
+	wronly, err := os.OpenFile(filepath.Join(t.TempDir(), "w"), os.O_CREATE|os.O_WRONLY, 0o600)
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = os.Remove(link) })
-	for _, tc := range []struct{ shm, want string }{
-		{"/tmp/emb", "must be a file in /dev/shm/"},
-		{"/dev/shm/../../etc/passwd", `must not contain ".."`},
-		{path + "-missing", "cannot open shm"},
-		{link, "cannot open shm"}, // O_NOFOLLOW
-		{path + "&offset=101", "fewer than offset 101 + 16"},
+	defer wronly.Close()
+	if _, err := wronly.Write(make([]byte, 64)); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := os.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dir.Close()
+	const q = "req_id=x&tokens=2&dim=2&dtype=float32&source=fd"
+	for _, tc := range []struct {
+		name  string
+		query string
+		file  *os.File
+		want  string
+	}{
+		{"past the end", q + "&offset=101", f, "fewer than offset 101 + 16"},
+		{"write-only", q, wronly, "not open for reading"},
+		{"a directory", q, dir, "not a regular file"},
+		{"no descriptor", q, nil, "no file descriptor came with the request"},
 	} {
-		r := do(t, http.MethodPost, fmt.Sprintf("%s/v1/stage?req_id=x&tokens=2&dim=2&dtype=float32&shm=%s", a.base, tc.shm), nil)
-		expectErr(t, r, http.StatusBadRequest, "x", tc.want)
+		t.Run(tc.name, func(t *testing.T) {
+			expectErr(t, a.stageFD(t, tc.query, tc.file), http.StatusBadRequest, "x", tc.want)
+		})
 	}
 	if held, n := a.store.usage(); held != 0 || n != 0 {
 		t.Fatalf("refused stages kept %d bytes in %d entries", held, n)
@@ -398,16 +412,17 @@ func TestAdminStagedAndMetricsEndpoints(t *testing.T) {
 	recv := startReceiver(t)
 	a := startAgent(t, nil, clk, nil)
 	a.stageAcked(t, "b-emb", 2, 3) // 12 bytes and a 19-byte ack frame
-	expect(t, do(t, http.MethodPost, a.base+"/v1/stage?req_id=a-err&error=oops", nil), http.StatusOK, `{"req_id":"a-err","error":"oops"}`)
+	expect(t, do(t, http.MethodPost, a.ctl+"/v1/stage?req_id=a-err&error=oops", nil), http.StatusOK, `{"req_id":"a-err","error":"oops"}`)
 	a.ackOK(t, "c-early") // an ack frame before its embedding: 21 bytes
 	sink := startSink(t)
 	expect(t, a.send(t, sendReq{id: "b-emb", port: sink.port, session: recv.SessionID(), addr: base(t, recv), count: 2}), http.StatusOK, "null")
 	sink.expectAck(t, ackFrameOf("b-emb"))
 	clk.Advance(2 * time.Second) // the sweeper's first timer is 45s away
 	r := do(t, http.MethodGet, a.admin+"/admin/staged", nil)
-	want := `[{"req_id":"a-err","state":"failed","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","destinations_done":[],"receive_count":0,"error":"oops","ack_frame":false,"ack_frame_bytes":0,"acks_sent":[],"sends_active":0,"age_seconds":2},` +
-		fmt.Sprintf(`{"req_id":"b-emb","state":"staged","bytes":12,"tokens":2,"dim":3,"dtype":"bfloat16","source":"http","registration":"shared","destinations_done":["127.0.0.1:%d"],"receive_count":2,"ack_frame":true,"ack_frame_bytes":19,"acks_sent":["127.0.0.1:%d"],"sends_active":0,"age_seconds":2},`, sink.port, sink.port) +
-		`{"req_id":"c-early","state":"ack_only","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","destinations_done":[],"receive_count":0,"ack_frame":true,"ack_frame_bytes":21,"acks_sent":[],"sends_active":0,"age_seconds":2}]`
+	me := fmt.Sprintf("pid %d (uid %d)", os.Getpid(), os.Getuid())
+	want := fmt.Sprintf(`[{"req_id":"a-err","state":"failed","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","staged_by":%q,"destinations_done":[],"receive_count":0,"error":"oops","ack_frame":false,"ack_frame_bytes":0,"acks_sent":[],"sends_active":0,"age_seconds":2},`, me) +
+		fmt.Sprintf(`{"req_id":"b-emb","state":"staged","bytes":12,"tokens":2,"dim":3,"dtype":"bfloat16","source":"body","staged_by":%q,"registration":"shared","destinations_done":["127.0.0.1:%d"],"receive_count":2,"ack_frame":true,"ack_frame_bytes":19,"acks_sent":["127.0.0.1:%d"],"sends_active":0,"age_seconds":2},`, me, sink.port, sink.port) +
+		fmt.Sprintf(`{"req_id":"c-early","state":"ack_only","bytes":0,"tokens":0,"dim":0,"dtype":"","source":"","staged_by":%q,"destinations_done":[],"receive_count":0,"ack_frame":true,"ack_frame_bytes":21,"acks_sent":[],"sends_active":0,"age_seconds":2}]`, me)
 	expect(t, r, http.StatusOK, want)
 
 	m := do(t, http.MethodGet, a.admin+"/metrics", nil)

@@ -20,6 +20,7 @@ type entry struct {
 	source string
 	failed string // non-empty: the encode failed with this message
 	at     time.Time
+	owner  stager // the process that staged it: only it may stage its ack frame
 
 	// ready is closed once the bytes are in place (or staging failed); mem
 	// and reg are written before that and only read after it.
@@ -56,13 +57,20 @@ var (
 	errCapacity = errors.New("capacity")
 )
 
+// ownedError is a req_id another process staged first (its embedding, its
+// failure or its ack frame): only that process may stage the rest.
+type ownedError struct{ owner stager }
+
+func (e *ownedError) Error() string { return "owned by " + e.owner.String() }
+
 // ackFrame is the ack frame staged for a req_id. It is kept apart from the
 // req_id's entry so that either may be staged first, and goes when that
 // entry is released (or, staged for no entry, at the TTL sweep). data is
 // never written after it is stored.
 type ackFrame struct {
-	data []byte
-	at   time.Time
+	data  []byte
+	at    time.Time
+	owner stager
 }
 
 // store holds the staged entries and ack frames and the bytes they take.
@@ -85,12 +93,19 @@ func newStore(capacity int64, m *metrics, unpin func([]byte) error) *store {
 	return &store{capacity: capacity, m: m, unpin: unpin, entries: map[string]*entry{}, acks: map[string]*ackFrame{}}
 }
 
-// putAck stages data as id's ack frame. A second frame for id is accepted
-// when it is the same bytes (same reports that), errExists otherwise;
-// errCapacity when it does not fit.
-func (s *store) putAck(id string, data []byte, at time.Time) (same bool, err error) {
+// putAck stages data as id's ack frame for owner. A req_id whose embedding
+// or frame another process staged is an *ownedError, and nothing changes. A
+// second frame for id is accepted when it is the same bytes (same reports
+// that), errExists otherwise; errCapacity when it does not fit.
+func (s *store) putAck(id string, data []byte, at time.Time, owner stager) (same bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if e, ok := s.entries[id]; ok && e.owner != owner {
+		return false, &ownedError{owner: e.owner}
+	}
+	if old, ok := s.acks[id]; ok && old.owner != owner {
+		return false, &ownedError{owner: old.owner}
+	}
 	if old, ok := s.acks[id]; ok {
 		if bytes.Equal(old.data, data) {
 			return true, nil
@@ -100,7 +115,7 @@ func (s *store) putAck(id string, data []byte, at time.Time) (same bool, err err
 	if int64(len(data)) > s.capacity-s.held {
 		return false, errCapacity
 	}
-	s.acks[id] = &ackFrame{data: data, at: at}
+	s.acks[id] = &ackFrame{data: data, at: at, owner: owner}
 	s.held += int64(len(data))
 	s.gauges()
 	return false, nil
@@ -138,14 +153,21 @@ func (s *store) dropAckLocked(id string) {
 	}
 }
 
-// reserve adds e (not ready yet) and its bytes: errExists when the req_id is
-// already staged, errCapacity when its bytes do not fit. The caller holds a
-// use of e and ends it with commit or abort.
+// reserve adds e (not ready yet) and its bytes: an *ownedError when another
+// process staged the req_id (or its ack frame), errExists when it is already
+// staged, errCapacity when its bytes do not fit. The caller holds a use of e
+// and ends it with commit or abort.
 func (s *store) reserve(e *entry) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if _, ok := s.entries[e.id]; ok {
+	if old, ok := s.entries[e.id]; ok {
+		if old.owner != e.owner {
+			return &ownedError{owner: old.owner}
+		}
 		return errExists
+	}
+	if a, ok := s.acks[e.id]; ok && a.owner != e.owner {
+		return &ownedError{owner: a.owner}
 	}
 	if e.nbytes > s.capacity-s.held {
 		return errCapacity
@@ -330,12 +352,14 @@ type StagedEntry struct {
 	// State is staging (bytes still arriving), staged, failed (a failed
 	// encode was recorded), or ack_only (an ack frame staged before its
 	// embedding).
-	State        string   `json:"state"`
-	Bytes        int64    `json:"bytes"`
-	Tokens       int64    `json:"tokens"`
-	Dim          int64    `json:"dim"`
-	Dtype        string   `json:"dtype"`
-	Source       string   `json:"source"`                 // http or shm; empty for a failed encode
+	State  string `json:"state"`
+	Bytes  int64  `json:"bytes"`
+	Tokens int64  `json:"tokens"`
+	Dim    int64  `json:"dim"`
+	Dtype  string `json:"dtype"`
+	Source string `json:"source"` // body or fd; empty for a failed encode
+	// StagedBy is the process that staged it (Unix socket peer credentials).
+	StagedBy     string   `json:"staged_by"`
 	Registration string   `json:"registration,omitempty"` // shared or per_send once staged
 	Destinations []string `json:"destinations_done"`
 	ReceiveCount int64    `json:"receive_count"` // 0 until a /send gave one
@@ -357,7 +381,7 @@ func (s *store) snapshot(now time.Time) []StagedEntry {
 		row := StagedEntry{
 			ReqID: e.id, State: "staged", Bytes: e.nbytes, Tokens: e.tokens, Dim: e.dim, Dtype: e.dtype,
 			Source: e.source, Destinations: make([]string, 0, len(e.dests)), ReceiveCount: e.receive,
-			Error: e.failed, SendsActive: e.users, AgeSeconds: now.Sub(e.at).Seconds(),
+			Error: e.failed, SendsActive: e.users, AgeSeconds: now.Sub(e.at).Seconds(), StagedBy: e.owner.String(),
 			AcksSent: make([]string, 0, len(e.acked)),
 		}
 		if a := s.acks[e.id]; a != nil {
@@ -384,7 +408,7 @@ func (s *store) snapshot(now time.Time) []StagedEntry {
 	}
 	for id, a := range s.acks {
 		if s.entries[id] == nil {
-			out = append(out, StagedEntry{ReqID: id, State: "ack_only", Destinations: []string{}, AcksSent: []string{},
+			out = append(out, StagedEntry{ReqID: id, State: "ack_only", Destinations: []string{}, AcksSent: []string{}, StagedBy: a.owner.String(),
 				AckFrame: true, AckFrameBytes: len(a.data), AgeSeconds: now.Sub(a.at).Seconds()})
 		}
 	}
