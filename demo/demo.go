@@ -342,6 +342,23 @@ func (d *driver) request(ctx context.Context, i int) {
 func (d *driver) part(ctx context.Context, part string, k int, media string) {
 	var wg sync.WaitGroup
 	dup := d.opts.DupEvery > 0 && d.seq(part)%d.opts.DupEvery == 0
+	// Each rank's per-request PULL socket for the ack, bound up front as
+	// sglang's ranks bind theirs, and all held until the part is done: a
+	// port one rank freed could otherwise be the next rank's, and two ranks
+	// of one part on one destination are one destination.
+	acks := make([]*ackPort, d.opts.ReceiverTP)
+	for r := range acks {
+		ack, err := listenAck(ctx)
+		if err != nil {
+			d.record("/send", 0, "binding the ack socket: "+err.Error(), 0)
+			for _, a := range acks[:r] {
+				a.close()
+			}
+			return
+		}
+		acks[r] = ack
+		defer ack.close()
+	}
 	for r := 0; r < d.opts.ReceiverTP; r++ {
 		wg.Add(1)
 		go func() {
@@ -357,13 +374,7 @@ func (d *driver) part(ctx context.Context, part string, k int, media string) {
 				d.record("/send", 0, "demo receiver buffer full", 0)
 				return
 			}
-			// The rank's per-request PULL socket for the ack, as sglang binds.
-			ack, err := listenAck(ctx)
-			if err != nil {
-				d.record("/send", 0, "binding the ack socket: "+err.Error(), 0)
-				return
-			}
-			defer ack.close()
+			ack := acks[r]
 			send := fmt.Sprintf(`{"req_id":%q,"part_idx":%d,"embedding_size":%d,"prefill_host":"127.0.0.1","embedding_port":%d,`+
 				`"session_id":%q,"buffer_address":%d,"receive_count":%d}`,
 				part, k, size, ack.port, d.land.session, addr, d.opts.ReceiverTP)
