@@ -7,6 +7,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -20,7 +22,7 @@ import (
 // ways, so bench/transfer.sh can put them side by side:
 //
 //   - BenchmarkAgentTransfer: the gpuagent path. One bfloat16 embedding is
-//     staged once over POST /v1/stage; every iteration is a POST /send over a
+//     staged once over POST /v1/stage on its Unix socket; every iteration is a POST /send over a
 //     keep-alive HTTP connection, which runs the agent's checks (staged,
 //     encode ok, size, allow_networks on session_id and prefill_host), writes
 //     the bytes with the Mooncake TCP initiator into a separate Mooncake
@@ -75,7 +77,13 @@ func benchReceiver(b *testing.B, n int) *mooncake.Receiver {
 // benchPost posts body and fails unless the answer is 200 with want (when
 // want is not empty); the response body is drained so the connection stays.
 func benchPost(b *testing.B, c *http.Client, url, ctype string, body []byte, want string) {
-	resp, err := c.Post(url, ctype, bytes.NewReader(body))
+	req, err := http.NewRequest(http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		b.Fatal(err)
+	}
+	req.Header.Set("Content-Type", ctype)
+	req.Header.Set("Authorization", "Bearer "+testToken)
+	resp, err := c.Do(req)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -89,6 +97,16 @@ func benchPost(b *testing.B, c *http.Client, url, ctype string, body []byte, wan
 	}
 }
 
+// benchSocket is a fresh short path for an agent's Unix socket.
+func benchSocket(b *testing.B) string {
+	dir, err := os.MkdirTemp("", "ag")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return filepath.Join(dir, "agent.sock")
+}
+
 func BenchmarkAgentTransfer(b *testing.B) {
 	for _, sz := range transferSizes {
 		b.Run(sz.name, func(b *testing.B) {
@@ -96,6 +114,7 @@ func BenchmarkAgentTransfer(b *testing.B) {
 			recv := benchReceiver(b, n)
 			cfg := DefaultConfig()
 			cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+			cfg.Control.Socket, cfg.Control.Token = benchSocket(b), testToken
 			// The transfer alone: with acks on, only the first /send to a
 			// destination is acked, so the timed ones would not ack anyway.
 			cfg.Ack.Mode = AckOff
@@ -120,7 +139,9 @@ func BenchmarkAgentTransfer(b *testing.B) {
 			base := "http://" + a.Addr()
 			id := fmt.Sprintf("9f1c2d3e4b5a69788796a5b4c3d2e1f0_local_part_%d", sz.tokens)
 			data := benchPattern(n, 7)
-			benchPost(b, c, fmt.Sprintf("%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16", base, id, sz.tokens, transferDim),
+			// Staged once over the Unix socket, as the node's encoder does.
+			benchPost(b, client, fmt.Sprintf("http://%s/v1/stage?req_id=%s&tokens=%d&dim=%d&dtype=bfloat16",
+				socketHost(a.SocketPath()), id, sz.tokens, transferDim),
 				"application/octet-stream", data, "")
 			addr := recv.Buffers()[0].Addr
 			send := []byte(fmt.Sprintf(`{"req_id":%q,"part_idx":0,"embedding_size":%d,"embedding_len":%d,"embedding_dim":%d,"prefill_host":"127.0.0.1","embedding_port":41001,"session_id":%q,"buffer_address":%d}`,
