@@ -44,7 +44,7 @@ func (s *Server) adminMux() *http.ServeMux {
 }
 
 // bearerRealm is the challenge of a 401 on the admin listener.
-const bearerRealm = `Bearer realm="encgate admin"`
+const bearerRealm = "encgate admin"
 
 // requireToken lets a request through to h when admin.token is unset or the
 // request carries "Authorization: Bearer <token>" (the scheme in any case,
@@ -54,23 +54,17 @@ const bearerRealm = `Bearer realm="encgate admin"`
 // not even the length leaks.
 func (s *Server) requireToken(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		want := s.conf().Admin.Token
-		if want == "" {
+		switch o := bearer.Authorize(r.Header.Get("Authorization"), s.conf().Admin.Token); o {
+		case bearer.Allowed:
 			h.ServeHTTP(w, r)
-			return
-		}
-		got, ok := bearer.Parse(r.Header.Get("Authorization"))
-		switch {
-		case !ok:
-			s.metrics.adminUnauthorized.Inc()
-			w.Header().Set("WWW-Authenticate", bearerRealm)
-			writeAdminError(w, http.StatusUnauthorized, `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
-		case !bearer.Equal(got, want):
-			s.metrics.adminUnauthorized.Inc()
-			w.Header().Set("WWW-Authenticate", bearerRealm+`, error="invalid_token"`)
-			writeAdminError(w, http.StatusUnauthorized, "encgate: the bearer token is not admin.token")
 		default:
-			h.ServeHTTP(w, r)
+			s.metrics.adminUnauthorized.Inc()
+			w.Header().Set("WWW-Authenticate", bearer.Challenge(bearerRealm, o))
+			msg := `encgate: this admin route needs "Authorization: Bearer <admin.token>"`
+			if o == bearer.Wrong {
+				msg = "encgate: the bearer token is not admin.token"
+			}
+			writeAdminError(w, http.StatusUnauthorized, msg)
 		}
 	})
 }

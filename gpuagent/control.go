@@ -322,26 +322,20 @@ func (a *Agent) tcpMux() http.Handler {
 	return a.counted(mux, nil)
 }
 
-// bearerRealm is the challenge of a 401 on the TCP door.
-const bearerRealm = `Bearer realm="encgate agent"`
-
 // requireToken lets a TCP request through when it carries control's token
 // (or control.insecure is set), and answers 401 otherwise: with no token
 // configured, the TCP door is closed.
 func (a *Agent) requireToken(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if a.cfg.Control.Insecure {
+		switch o := bearer.Authorize(r.Header.Get("Authorization"), a.token); {
+		case a.cfg.Control.Insecure:
 			h.ServeHTTP(w, r)
-			return
-		}
-		got, ok := bearer.Parse(r.Header.Get("Authorization"))
-		switch {
 		case a.token == "":
-			a.unauthorized(w, r, "control", "", "encgate: this agent has no control.token_file (or control.token) configured, so its TCP door is closed")
-		case !ok:
-			a.unauthorized(w, r, "control", "", `encgate: this route needs "Authorization: Bearer <control token>" (the gateway's encoders[].agent_token_file)`)
-		case !bearer.Equal(got, a.token):
-			a.unauthorized(w, r, "control", `, error="invalid_token"`, "encgate: the bearer token is not this agent's control token")
+			a.unauthorized(w, r, "control", bearer.Missing, "encgate: this agent has no control.token_file (or control.token) configured, so its TCP door is closed")
+		case o == bearer.Missing:
+			a.unauthorized(w, r, "control", o, `encgate: this route needs "Authorization: Bearer <control token>" (the gateway's encoders[].agent_token_file)`)
+		case o == bearer.Wrong:
+			a.unauthorized(w, r, "control", o, "encgate: the bearer token is not this agent's control token")
 		default:
 			h.ServeHTTP(w, r)
 		}
@@ -352,17 +346,11 @@ func (a *Agent) requireToken(h http.Handler) http.Handler {
 // route needs it.
 func (a *Agent) requireAdminToken(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		want := a.cfg.Admin.Token
-		if want == "" {
-			h.ServeHTTP(w, r)
-			return
-		}
-		got, ok := bearer.Parse(r.Header.Get("Authorization"))
-		switch {
-		case !ok:
-			a.unauthorized(w, r, "admin", "", `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
-		case !bearer.Equal(got, want):
-			a.unauthorized(w, r, "admin", `, error="invalid_token"`, "encgate: the bearer token is not admin.token")
+		switch o := bearer.Authorize(r.Header.Get("Authorization"), a.cfg.Admin.Token); o {
+		case bearer.Missing:
+			a.unauthorized(w, r, "admin", o, `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
+		case bearer.Wrong:
+			a.unauthorized(w, r, "admin", o, "encgate: the bearer token is not admin.token")
 		default:
 			h.ServeHTTP(w, r)
 		}
@@ -370,12 +358,12 @@ func (a *Agent) requireAdminToken(h http.Handler) http.Handler {
 }
 
 // unauthorized answers 401 with a Bearer challenge (RFC 6750) and counts it.
-func (a *Agent) unauthorized(w http.ResponseWriter, r *http.Request, door, challenge, msg string) {
+func (a *Agent) unauthorized(w http.ResponseWriter, r *http.Request, door string, o bearer.Outcome, msg string) {
 	a.metrics.unauthorized.WithLabelValues(door).Inc()
 	if c := a.log.Check(zap.DebugLevel, "refused an unauthenticated request"); c != nil {
 		c.Write(zap.String("door", door), zap.String("path", r.URL.Path), zap.String("remote", r.RemoteAddr))
 	}
-	w.Header().Set("WWW-Authenticate", bearerRealm+challenge)
+	w.Header().Set("WWW-Authenticate", bearer.Challenge("encgate agent "+door, o))
 	writeEnvelope(w, http.StatusUnauthorized, msg, "")
 }
 

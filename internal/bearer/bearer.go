@@ -42,6 +42,44 @@ func Equal(got, want string) bool {
 	return subtle.ConstantTimeCompare(g[:], w[:]) == 1
 }
 
+// Outcome is Authorize's verdict on a request.
+type Outcome int
+
+const (
+	// Allowed: the request carries the token, or none is required.
+	Allowed Outcome = iota
+	// Missing: no "Authorization: Bearer <token>" (RFC 6750's challenge
+	// without an error code).
+	Missing
+	// Wrong: a bearer token that is not the one required
+	// (error="invalid_token").
+	Wrong
+)
+
+// Authorize judges an Authorization header value against want; an empty
+// want requires nothing.
+func Authorize(header, want string) Outcome {
+	if want == "" {
+		return Allowed
+	}
+	got, ok := Parse(header)
+	switch {
+	case !ok:
+		return Missing
+	case !Equal(got, want):
+		return Wrong
+	}
+	return Allowed
+}
+
+// Challenge is the WWW-Authenticate value of a 401 for o in realm.
+func Challenge(realm string, o Outcome) string {
+	if o == Wrong {
+		return `Bearer realm="` + realm + `", error="invalid_token"`
+	}
+	return `Bearer realm="` + realm + `"`
+}
+
 // Check adds a problem at path for each way token is not a valid bearer
 // token: shorter than MinLen, or outside the RFC 6750 alphabet. An empty
 // token means none is configured and passes. Problems never quote the

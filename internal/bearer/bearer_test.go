@@ -163,3 +163,31 @@ func TestReadFileRefusesMissingFilesAndDirectories(t *testing.T) {
 		t.Errorf("directory: %v", err)
 	}
 }
+
+func TestAuthorize(t *testing.T) {
+	const want = "the-right-token-0123"
+	for _, tc := range []struct {
+		header, want string
+		out          Outcome
+	}{
+		{"", "", Allowed},
+		{"Bearer anything", "", Allowed},
+		{"Bearer " + want, want, Allowed},
+		{"bearer  " + want, want, Allowed},
+		{"", want, Missing},
+		{"Basic " + want, want, Missing},
+		{"Bearer", want, Missing},
+		{"Bearer " + want + "x", want, Wrong},
+		{"Bearer " + want[:len(want)-1], want, Wrong},
+	} {
+		if got := Authorize(tc.header, tc.want); got != tc.out {
+			t.Errorf("Authorize(%q, %q) = %d, want %d", tc.header, tc.want, got, tc.out)
+		}
+	}
+	if c := Challenge("r", Missing); c != `Bearer realm="r"` {
+		t.Errorf("Challenge(Missing) = %s", c)
+	}
+	if c := Challenge("r", Wrong); c != `Bearer realm="r", error="invalid_token"` {
+		t.Errorf("Challenge(Wrong) = %s", c)
+	}
+}
