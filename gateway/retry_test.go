@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -222,5 +223,42 @@ func TestMetadataRetryStopsWhenTheEncodeFails(t *testing.T) {
 	}
 	if n := metadataCalls(encs[0], id); n != 1 {
 		t.Fatalf("the encoder got %d metadata pulls, want 1", n)
+	}
+}
+
+// A pull the encoder holds past its per-try timeout goes on waiting
+// whatever the retry budget: thousands held in a slow encode must not get
+// 504 because each try ran out (bench/held.sh found 200 of 300 cut so).
+func TestHeldPullsDoNotSpendTheRetryBudget(t *testing.T) {
+	encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) { o.Faults.MetadataDelay = 900 * time.Millisecond })
+	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Retry.Budget.Ratio, c.Retry.Budget.MinPerSecond = 0, 0
+		c.Retry.Metadata.PerTryTimeout = configfile.Duration(200 * time.Millisecond)
+		c.Retry.Metadata.InitialBackoff = configfile.Duration(time.Millisecond)
+		c.Retry.Metadata.MaxBackoff = configfile.Duration(time.Millisecond)
+	})
+	const id = "held_local_part_0"
+	encoded := make(chan int, 1)
+	go func() { // /encode answers once the metadata is out, 900ms on
+		resp, err := client.Post(g.base+"/encode", "application/json", strings.NewReader(encodeBody(id)))
+		if err != nil {
+			encoded <- 0
+			return
+		}
+		resp.Body.Close()
+		encoded <- resp.StatusCode
+	}()
+	a := post(t, g.base+"/scheduler_receive_meta_data", metaBody(id))
+	if a.status != 200 {
+		t.Fatalf("held pull got %d %s attempts=%q", a.status, a.body, a.header.Get("X-Encgate-Attempts"))
+	}
+	if n, _ := strconv.Atoi(a.header.Get("X-Encgate-Attempts")); n < 2 {
+		t.Fatalf("attempts %q: the pull was not held past a try", a.header.Get("X-Encgate-Attempts"))
+	}
+	if got := metricValue(t, g, "encgate_retry_budget_exhausted_total"); got != 0 {
+		t.Errorf("budget exhausted = %v, want 0", got)
+	}
+	if code := <-encoded; code != 200 {
+		t.Fatalf("/encode: %d", code)
 	}
 }

@@ -5,11 +5,13 @@ import (
 	"net"
 	"syscall"
 	"unsafe"
+
+	"github.com/valyala/fasthttp"
 )
 
 // errStaleConn means a pooled connection turned out to be closed by the
 // encoder before the request was written: nothing was delivered.
-var errStaleConn = errors.New("upstream: the encoder had closed the pooled connection; nothing was sent")
+var errStaleConn = errors.New("upstream: the encoder had closed the connection before the request was written; nothing was sent")
 
 // StaleConnError wraps errStaleConn with the probe's cause.
 type StaleConnError struct{ Err error }
@@ -41,6 +43,37 @@ type probedConn struct {
 	peekFn  func(fd uintptr)
 	peekErr error
 	peekBuf [1]byte
+	local   exchangeAddr // what LocalAddr returns: the local address, and a way back here
+}
+
+// unsenter is a connection that can tell whether the request it was
+// sending provably never left (tcpconn.Conn).
+type unsenter interface{ Unsent() bool }
+
+// exchangeAddr is a probedConn's local address. fasthttp records it in the
+// Response of every exchange (Response.LocalAddr) before it writes the
+// request, so after a failed exchange the caller can reach the connection
+// that carried it and ask whether any byte left (unsentOn).
+type exchangeAddr struct {
+	net.Addr
+	conn unsenter // nil when the connection cannot tell
+}
+
+// LocalAddr returns the local address, carrying the way back to c.
+func (c *probedConn) LocalAddr() net.Addr {
+	if c.local.Addr == nil {
+		c.local.Addr = c.Conn.LocalAddr()
+	}
+	return &c.local
+}
+
+// unsentOn reports whether the failed exchange whose Response is resp went
+// over a connection on which no byte of its request left: the write failed
+// at its first byte (a connection the encoder had reset). Such a request
+// may be sent again, as a stale pooled connection's is.
+func unsentOn(resp *fasthttp.Response) bool {
+	a, ok := resp.LocalAddr().(*exchangeAddr)
+	return ok && a.conn != nil && a.conn.Unsent()
 }
 
 func newProbedConn(c net.Conn) net.Conn {
@@ -54,6 +87,9 @@ func newProbedConn(c net.Conn) net.Conn {
 	}
 	pc := &probedConn{Conn: c, raw: raw}
 	pc.peekFn = pc.peek
+	if u, ok := c.(unsenter); ok {
+		pc.local.conn = u
+	}
 	return pc
 }
 

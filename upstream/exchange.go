@@ -111,7 +111,13 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result
 		if p.clk.Now().Add(wait).After(deadline) {
 			return res
 		}
-		if !budget.Retry() {
+		// A long poll whose try ran out in the gateway while the encoder
+		// held it (by design: sglang holds a pull up to 180s) goes on
+		// waiting without spending the budget: each such retry comes a
+		// whole per-try timeout after the last, so they cannot storm, and
+		// charging them would fail thousands of held pulls at once in a
+		// slow encode. The encoder's own quick 504s (a storm) still pay.
+		if !heldPollExpired(&res.Verdict) && !budget.Retry() {
 			p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
 			return res
 		}
@@ -122,6 +128,10 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result
 		}
 	}
 }
+
+// heldPollExpired reports a long-poll try that the gateway's per-try
+// timeout ended while the encoder was holding it.
+func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause == CauseExpired }
 
 // attempt is one exchange of c with t, judged once; the breaker is told
 // the verdict's Mark when it admitted the exchange.

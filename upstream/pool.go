@@ -234,7 +234,7 @@ func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp
 	req.Header.SetHost(host)
 	req.URI().SetScheme(scheme)
 	resp.Header.SetNoDefaultContentType(true)
-	err := c.DoTimeout(req, resp, timeout)
+	err := staleIfUnsent(c.DoTimeout(req, resp, timeout), resp)
 	if err == nil || !isStale(err) {
 		return err
 	}
@@ -243,11 +243,21 @@ func do(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp
 	// timeout, counted from here (the clock is read only on this path).
 	deadline := time.Now().Add(timeout)
 	for attempt := 1; ; attempt++ {
-		err = c.DoDeadline(req, resp, deadline)
+		err = staleIfUnsent(c.DoDeadline(req, resp, deadline), resp)
 		if err == nil || !isStale(err) || attempt == maxStaleRetries {
 			return err
 		}
 	}
+}
+
+// staleIfUnsent makes a failed exchange whose request provably never left
+// (unsentOn) a stale-connection error: not delivered, so the request may
+// go again, here and in the verdict.
+func staleIfUnsent(err error, resp *fasthttp.Response) error {
+	if err != nil && !isStale(err) && unsentOn(resp) {
+		return &StaleConnError{Err: err}
+	}
+	return err
 }
 
 // maxStaleRetries bounds re-sends after stale pooled connections; each

@@ -242,7 +242,7 @@ func judgeOutcome(rt *sglang.Route, ignore []Condition, t Target, o Observation)
 	case errors.Is(err, errStaleConn):
 		return Verdict{Kind: KindStale, Cause: CauseEncoder, Status: fasthttp.StatusBadGateway, Breaker: MarkFault,
 			Reason: ReasonConnectFailure, Label: "stale",
-			Message: "encgate: " + t.subject() + " had closed every pooled connection tried before the request was written; nothing was sent"}
+			Message: "encgate: " + t.subject() + " had closed every connection tried (pooled, or reset before the first byte left) before the request was written; nothing was sent"}
 	case errors.Is(err, context.Canceled):
 		return Verdict{Kind: KindCanceled, Delivery: MaybeSent, Cause: CauseGateway, Status: fasthttp.StatusServiceUnavailable,
 			Breaker: MarkIgnored, Label: "error",

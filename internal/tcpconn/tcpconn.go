@@ -37,8 +37,15 @@ type Conn struct {
 	*net.TCPConn
 	rc syscall.RawConn
 
-	hold bool   // client: hold small writes until the next Read
-	held []byte // bytes written by Write and not yet sent
+	hold    bool    // client: hold small writes until the next Read
+	held    []byte  // bytes written by Write and not yet sent
+	heldBox *[]byte // held's pool entry (nil when none is taken)
+
+	// What left since the last answer: bytes put on the wire by writes since
+	// a read last returned bytes, and whether a write failed since. Unsent
+	// reads them; only the goroutine using the connection touches them.
+	outSinceRead int
+	writeFailed  bool
 
 	// State of the read or write in progress, passed to the callbacks
 	// below (allocated once per Conn) instead of through closures, which
@@ -91,6 +98,13 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	cc.tryFn = cc.tryWrite
 	return cc
 }
+
+// Unsent reports whether the request being sent provably never left: a
+// write failed, and no byte was put on the wire since the last answer byte
+// was read. A held request whose send fails at its first byte is unsent;
+// one that failed after some of its bytes left is not (they may have
+// reached the peer).
+func (c *Conn) Unsent() bool { return c.writeFailed && c.outSinceRead == 0 }
 
 // SetReadDeadline records t; it reaches the poller when the next Read
 // starts (at once while a Read is in progress, so that a waiting Read
@@ -207,6 +221,7 @@ func (c *Conn) read(fd uintptr) bool {
 			c.err = io.EOF
 		default:
 			c.n = n
+			c.outSinceRead, c.writeFailed = 0, false // an answer: a new exchange starts
 		}
 		return true
 	}
@@ -232,22 +247,42 @@ func (c *Conn) sendThenRead(fd uintptr) bool {
 			return true
 		case errno != 0:
 			c.err, c.errOp = os.NewSyscallError("write", errno), "write"
-			c.held = c.held[:0]
+			c.writeFailed = true
+			c.releaseHeld()
 			return true
 		}
 		off += n
+		c.outSinceRead += n
 	}
-	c.held = c.held[:0] // keep the buffer for the next request
-	return false        // the request is out: wait for its answer
+	c.releaseHeld()
+	return false // the request is out: wait for its answer
+}
+
+// heldBufs pools the buffers of held requests: a connection holds one
+// only from its request's first Write until the request is out, not
+// while it waits for the answer (a pull the encoder holds for minutes).
+var heldBufs = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}
+
+// releaseHeld gives the held buffer back to the pool.
+func (c *Conn) releaseHeld() {
+	box := c.heldBox
+	if box == nil {
+		return
+	}
+	*box = c.held[:0] // append may have grown it
+	c.held, c.heldBox = nil, nil
+	heldBufs.Put(box)
 }
 
 // Write sends b, or on a client holds it until the next Read when it is
 // small. A held write always reports success; a failure to send it is
-// reported by the Read that sends it.
+// reported by the Read that sends it, and Unsent then tells whether any of
+// it left.
 func (c *Conn) Write(b []byte) (int, error) {
 	if c.hold && len(c.held)+len(b) <= MaxHeld {
-		if c.held == nil {
-			c.held = make([]byte, 0, 1024)
+		if c.heldBox == nil {
+			c.heldBox = heldBufs.Get().(*[]byte)
+			c.held = (*c.heldBox)[:0]
 		}
 		c.held = append(c.held, b...)
 		return len(b), nil
@@ -264,7 +299,7 @@ func (c *Conn) flush() error {
 		return nil
 	}
 	_, err := c.send(c.held)
-	c.held = c.held[:0]
+	c.releaseHeld()
 	return err
 }
 
@@ -324,9 +359,11 @@ func (c *Conn) write(fd uintptr) bool {
 			return false
 		case errno != 0:
 			c.err = os.NewSyscallError("write", errno)
+			c.writeFailed = true
 			return true
 		}
 		c.n += n
+		c.outSinceRead += n
 	}
 	return true
 }
@@ -337,7 +374,12 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	if err := c.flush(); err != nil {
 		return 0, err
 	}
-	return c.TCPConn.ReadFrom(r)
+	n, err := c.TCPConn.ReadFrom(r)
+	c.outSinceRead += int(n)
+	if err != nil {
+		c.writeFailed = true
+	}
+	return n, err
 }
 
 // WriteTo sends what is held, then copies the connection to w.
@@ -348,28 +390,14 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	return c.TCPConn.WriteTo(w)
 }
 
-// Close sends what is held as far as the socket buffer takes it without
-// waiting, and closes the connection.
-func (c *Conn) Close() error {
-	if len(c.held) > 0 {
-		held := c.held
-		_ = c.rc.Write(func(fd uintptr) bool {
-			for len(held) > 0 {
-				n, errno := rawWrite(fd, held)
-				if errno == syscall.EINTR {
-					continue
-				}
-				if errno != 0 {
-					break
-				}
-				held = held[n:]
-			}
-			return true // never wait
-		})
-		c.held = c.held[:0]
-	}
-	return c.TCPConn.Close()
-}
+// Close closes the connection. Bytes still held are dropped, not sent: they
+// belong to a request whose caller gave up before reading its answer (a
+// deadline that could not be set, say), and a request nobody waits for must
+// not reach the peer after its caller was told it failed.
+// (Close may run on another goroutine than the connection's reads and
+// writes, as a server's shutdown closes idle connections, so it touches no
+// state of theirs.)
+func (c *Conn) Close() error { return c.TCPConn.Close() }
 
 // opError shapes err as the net package does for a TCP connection, so
 // callers' timeout and error checks see what they would see from net.

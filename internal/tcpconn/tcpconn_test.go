@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // pair returns a dialled connection wrapped by wrap and the accepted raw
@@ -169,7 +171,9 @@ func TestHeldBytesLargerThanTheSocketBufferAreAllSent(t *testing.T) {
 	}
 }
 
-func TestCloseSendsHeldBytes(t *testing.T) {
+// A request whose caller closes the connection before reading its answer
+// never reaches the peer: the caller was told it failed.
+func TestCloseDropsHeldBytes(t *testing.T) {
 	c, peer := pair(t, Client)
 	if _, err := c.Write([]byte("bye")); err != nil {
 		t.Fatal(err)
@@ -178,8 +182,83 @@ func TestCloseSendsHeldBytes(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, err := io.ReadAll(peer)
-	if err != nil || string(got) != "bye" {
+	if err != nil || len(got) != 0 {
 		t.Fatalf("peer read %q, %v", got, err)
+	}
+}
+
+// waitReset blocks until c's socket has seen its peer's RST (poll reports
+// an error or hang-up), bounded by 10s.
+func waitReset(t *testing.T, c net.Conn) {
+	t.Helper()
+	raw, err := c.(*Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var perr error
+	var revents int16
+	if err := raw.Control(func(fd uintptr) {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		_, perr = unix.Poll(fds, 10_000)
+		revents = fds[0].Revents
+	}); err != nil || perr != nil {
+		t.Fatal(err, perr)
+	}
+	if revents&(unix.POLLERR|unix.POLLHUP) == 0 {
+		t.Fatalf("no reset seen (revents %#x)", revents)
+	}
+}
+
+// A held request to a peer that has reset the connection fails at its
+// first byte: nothing left, and Unsent says so.
+func TestHeldRequestToAResetPeerIsUnsent(t *testing.T) {
+	c, peer := pair(t, Client)
+	_ = peer.(*net.TCPConn).SetLinger(0)
+	peer.Close()
+	waitReset(t, c)
+	if _, err := c.Write([]byte("POST /send HTTP/1.1\r\n\r\n")); err != nil {
+		t.Fatalf("a held write failed: %v", err)
+	}
+	if _, err := c.Read(make([]byte, 8)); err == nil {
+		t.Fatal("the read after a reset succeeded")
+	}
+	if !c.(*Conn).Unsent() {
+		t.Fatal("Unsent = false for a request that failed at its first byte")
+	}
+}
+
+// A request the peer read before it reset the connection is not unsent,
+// and an answer starts a new exchange.
+func TestRequestThePeerReadIsNotUnsent(t *testing.T) {
+	c, peer := pair(t, Client)
+	got := answer(t, peer, 2, "ok")
+	if _, err := c.Write([]byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 2)); err != nil {
+		t.Fatal(err)
+	}
+	<-got
+	if c.(*Conn).Unsent() {
+		t.Fatal("Unsent after an answer")
+	}
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		buf := make([]byte, 5)
+		_, _ = io.ReadFull(peer, buf) // the second request arrives
+		_ = peer.(*net.TCPConn).SetLinger(0)
+		peer.Close()
+	}()
+	if _, err := c.Write([]byte("again")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Read(make([]byte, 8)); err == nil {
+		t.Fatal("read after the reset succeeded")
+	}
+	<-read
+	if c.(*Conn).Unsent() {
+		t.Fatal("Unsent = true for a request the peer read")
 	}
 }
 
