@@ -165,17 +165,12 @@ func peerCred(c *net.UnixConn) (stager, error) {
 	if err != nil {
 		return stager{}, err
 	}
-	var cred *syscall.Ucred
+	var st stager
 	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = syscall.GetsockoptUcred(int(fd), syscall.SOL_SOCKET, syscall.SO_PEERCRED)
-	}); err != nil {
+	if err := raw.Control(func(fd uintptr) { st, cerr = peerOf(int(fd)) }); err != nil {
 		return stager{}, err
 	}
-	if cerr != nil {
-		return stager{}, cerr
-	}
-	return stager{PID: cred.Pid, UID: cred.Uid}, nil
+	return st, cerr
 }
 
 // listenUnix binds cfg.Socket with its mode and group. The socket is bound
