@@ -13,6 +13,29 @@
 # table per workload and writes everything to bench/results/proxy.md, with the
 # gateway's RSS (VmRSS/VmHWM from /proc/PID/status) sampled during its runs.
 #
+# Besides req/s and latency, every measured run reports the proxy's CPU per
+# proxied request, side by side in the same run: utime+stime (fields 14 and
+# 15 of /proc/PID/stat, clock ticks, getconf CLK_TCK; all threads of the
+# process) of the proxy's processes, read just before and just after the wrk
+# run, so  µs/req = Δticks x 10^6 / CLK_TCK / requests.  The processes are
+# encgate's one pid, nginx's master plus its workers (pgrep -P master), and
+# HAProxy's one pid (-db: no master-worker; its threads are in that pid).
+# Direct has no proxy, so no proxy CPU ("—"). The fake encoder's CPU per
+# request is read the same way and shown beside it.
+#
+# Two layouts (LAYOUT):
+#   split   (default) the proxy under test alone on SERVER_CPUS [core 0 of
+#           2], one worker per core listed; wrk and the fake encoder share
+#           LOADGEN_CPUS [core 1]. The proxy's core holds nothing else, so the
+#           proxy CPU per request is the clean comparison; req/s is bounded
+#           by whichever side saturates first (see the busy % columns).
+#           Direct: wrk and the fake on LOADGEN_CPUS, the proxy core idle.
+#   shared  the old layout: wrk alone on LOADGEN_CPUS [core 1], the fake
+#           and the proxy share SERVER_CPUS [core 0], so every target gets
+#           the same fixed budget behind wrk and a proxy's cost shows up as
+#           throughput taken from the fake. Direct: the fake alone there.
+# The results file says which layout it used.
+#
 # Usage:  bash bench/proxy.sh        (root, or sudo for the apt-get step)
 #
 # Environment (defaults in brackets):
@@ -21,9 +44,13 @@
 #   ROUNDS       rounds per workload (each round runs all 4 targets) [5]
 #   CONNS        wrk connections                                     [32]
 #   THREADS      wrk threads                                         [1]
-#   LOADGEN_CPUS cores for wrk (taskset list)               [1 on 2 cores]
-#   SERVER_CPUS  cores shared by the fake encoder and the proxy      [0 on 2 cores]
-#                (each proxy gets as many workers/threads as cores listed)
+#   LAYOUT       split or shared (see above)                         [split]
+#   LOADGEN_CPUS cores for wrk (taskset list); with LAYOUT=split the fake
+#                encoder's too               [1 on 2 cores; split: 1-(N-1)]
+#   SERVER_CPUS  cores of the proxy under test; with LAYOUT=shared the fake
+#                encoder's too               [0 on 2 cores; split: 0]
+#                (each proxy gets as many workers/threads as cores listed:
+#                one on 2 cores, in either layout)
 #   PORT_BASE    first of 5 loopback ports used (fake, encgate,
 #                encgate admin, nginx, haproxy)                      [19100]
 #   RESULTS      markdown output file             [bench/results/proxy.md]
@@ -60,6 +87,9 @@ die() { echo "proxy.sh: FAIL: $*" >&2; exit 1; }
 trap 'echo "proxy.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 log() { echo "== $*" >&2; }
 
+LAYOUT=${LAYOUT:-split}
+case $LAYOUT in split | shared) ;; *) die "LAYOUT must be split or shared, got '$LAYOUT'" ;; esac
+
 for v in DURATION WARMUP ROUNDS CONNS THREADS PORT_BASE QUIET_WAIT REDO; do
   [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"
 done
@@ -93,12 +123,20 @@ if ((${#need[@]})); then
   if ((made_policy)); then $SUDO rm -f "$policy"; fi
 fi
 export PATH="$PATH:/usr/sbin:/sbin"
-for c in wrk nginx haproxy curl taskset go; do command -v "$c" >/dev/null || die "$c not found"; done
+for c in wrk nginx haproxy curl taskset pgrep getconf go; do command -v "$c" >/dev/null || die "$c not found"; done
+CLK_TCK=$(getconf CLK_TCK)
+[[ $CLK_TCK =~ ^[0-9]+$ ]] && ((CLK_TCK > 0)) || die "getconf CLK_TCK gave '$CLK_TCK'"
 
 # ---------------------------------------------------------------- cores
 NPROC=$(nproc)
 if [ -z "${LOADGEN_CPUS:-}" ] || [ -z "${SERVER_CPUS:-}" ]; then
-  if ((NPROC >= 2)); then
+  if ((NPROC >= 2)) && [ "$LAYOUT" = split ]; then
+    # One core for the proxy (one worker, as the issue asks), the rest for
+    # wrk and the fake; on 2 cores: proxy on core 0, wrk + fake on core 1.
+    SERVER_CPUS=${SERVER_CPUS:-0}
+    LOADGEN_CPUS=${LOADGEN_CPUS:-1-$((NPROC - 1))}
+    [ "$LOADGEN_CPUS" = "1-1" ] && LOADGEN_CPUS=1
+  elif ((NPROC >= 2)); then
     # Half the cores (rounded down, at least 1) for wrk, the rest for the
     # fake plus the proxy; on 2 cores: wrk on core 1, fake + proxy on core 0.
     lg=$((NPROC / 2))
@@ -132,8 +170,17 @@ WORKERS=$(count_cpus "$SERVER_CPUS")
 ((WORKERS >= 1)) || die "SERVER_CPUS '$SERVER_CPUS' names no core"
 taskset -c "$SERVER_CPUS" true 2>/dev/null || die "cannot pin to SERVER_CPUS=$SERVER_CPUS"
 taskset -c "$LOADGEN_CPUS" true 2>/dev/null || die "cannot pin to LOADGEN_CPUS=$LOADGEN_CPUS"
-if ((NPROC >= 2)); then
-  PINNING="wrk (${THREADS} thread(s), ${CONNS} connections) pinned to core(s) ${LOADGEN_CPUS}; the fake encoder and the proxy under test share core(s) ${SERVER_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}); the fake runs with GOMAXPROCS=${WORKERS} too. Direct: the fake alone on core(s) ${SERVER_CPUS}. Why: wrk gets a core of its own so the load generator never competes with what it measures, and everything behind wrk (fake + proxy) gets the same fixed budget for every target, so a proxy's cost shows up as throughput taken from the fake on the shared core."
+# Where the fake encoder runs, and with how many Ps.
+if [ "$LAYOUT" = split ]; then FAKE_CPUS=$LOADGEN_CPUS; else FAKE_CPUS=$SERVER_CPUS; fi
+FAKE_PROCS=$(count_cpus "$FAKE_CPUS")
+OVERLAP=
+for c in $(expand_cpus "$SERVER_CPUS"); do [[ " $(expand_cpus "$LOADGEN_CPUS") " == *" $c "* ]] && OVERLAP+=" $c"; done
+if [ -n "$OVERLAP" ]; then
+  PINNING="SERVER_CPUS=$SERVER_CPUS and LOADGEN_CPUS=$LOADGEN_CPUS overlap (core(s)$OVERLAP): wrk, the fake encoder and the proxy compete for those cores, so neither layout's premise holds (layout $LAYOUT requested). Every proxy gets ${WORKERS} worker(s); the fake runs with GOMAXPROCS=${FAKE_PROCS}."
+elif [ "$LAYOUT" = split ]; then
+  PINNING="layout **split** (the default): the proxy under test alone on core(s) ${SERVER_CPUS}; wrk (${THREADS} thread(s), ${CONNS} connections) and the fake encoder (GOMAXPROCS=${FAKE_PROCS}) share core(s) ${LOADGEN_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}). Direct: wrk and the fake on core(s) ${LOADGEN_CPUS}, the proxy core(s) idle. Why: nothing but the proxy runs on its core(s), so its own CPU per request (utime+stime from /proc, divided by requests) is measured without the fake's work mixed in; req/s is bounded by whichever side saturates first (busy % columns), so in this layout the CPU per request is the comparison to read, and LAYOUT=shared is the fixed-budget throughput comparison."
+elif ((NPROC >= 2)); then
+  PINNING="layout **shared**: wrk (${THREADS} thread(s), ${CONNS} connections) pinned to core(s) ${LOADGEN_CPUS}; the fake encoder and the proxy under test share core(s) ${SERVER_CPUS} (taskset). Every proxy gets the same budget: ${WORKERS} worker(s) (nginx worker_processes ${WORKERS}, HAProxy nbthread ${WORKERS}, encgate GOMAXPROCS=${WORKERS}); the fake runs with GOMAXPROCS=${WORKERS} too. Direct: the fake alone on core(s) ${SERVER_CPUS}. Why: wrk gets a core of its own so the load generator never competes with what it measures, and everything behind wrk (fake + proxy) gets the same fixed budget for every target, so a proxy's cost shows up as throughput taken from the fake on the shared core. The proxy's own CPU per request is still read from /proc, but it shares its core with the fake."
 else
   PINNING="one core: everything shares it (no pinning possible)"
 fi
@@ -250,8 +297,8 @@ EOF
 haproxy -c -q -f "$TMP/haproxy.cfg" >"$TMP/haproxy-check.log" 2>&1 || { cat "$TMP/haproxy-check.log" >&2; die "haproxy config invalid"; }
 
 # ---------------------------------------------------------------- start
-log "starting the fake encoder, encgate, nginx and HAProxy on core(s) $SERVER_CPUS"
-GOMAXPROCS=$WORKERS taskset -c "$SERVER_CPUS" "$GW_BIN" fake-encoder --listen "127.0.0.1:$P_FAKE" \
+log "layout $LAYOUT: starting the fake encoder on core(s) $FAKE_CPUS, encgate, nginx and HAProxy on core(s) $SERVER_CPUS"
+GOMAXPROCS=$FAKE_PROCS taskset -c "$FAKE_CPUS" "$GW_BIN" fake-encoder --listen "127.0.0.1:$P_FAKE" \
   --name fake --sweep-after 2h >"$TMP/fake.log" 2>&1 &
 FAKE_PID=$!
 PIDS+=("$FAKE_PID")
@@ -268,6 +315,43 @@ taskset -c "$SERVER_CPUS" haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy.log" 
 HAP_PID=$!
 PIDS+=("$HAP_PID")
 wait_port "$P_HAP" "haproxy"
+
+# ---------------------------------------------------------------- proxy CPU
+# The pids are those of the programs themselves (taskset and the GOMAXPROCS=
+# prefix exec, they do not fork); check that before counting their CPU.
+comm_of() { cat "/proc/$1/comm" 2>/dev/null || echo "?"; }
+[ "$(comm_of "$FAKE_PID")" = encgate ] || die "pid $FAKE_PID is '$(comm_of "$FAKE_PID")', not the fake encoder"
+[ "$(comm_of "$GW_PID")" = encgate ] || die "pid $GW_PID is '$(comm_of "$GW_PID")', not encgate"
+[ "$(comm_of "$NGINX_PID")" = nginx ] || die "pid $NGINX_PID is '$(comm_of "$NGINX_PID")', not nginx"
+[ "$(comm_of "$HAP_PID")" = haproxy ] || die "pid $HAP_PID is '$(comm_of "$HAP_PID")', not haproxy"
+NGINX_WORKERS=$(pgrep -P "$NGINX_PID" | paste -sd' ')
+[ "$(wc -w <<<"$NGINX_WORKERS")" -eq "$WORKERS" ] || die "nginx has workers '$NGINX_WORKERS', want $WORKERS"
+[ -z "$(pgrep -P "$HAP_PID")" ] || die "HAProxy has child processes ($(pgrep -P "$HAP_PID" | paste -sd' ')); want one process"
+[ -z "$(pgrep -P "$GW_PID")" ] || die "encgate has child processes; want one process"
+# proxy_pids target -> the pids whose CPU is the proxy's (nothing for direct)
+proxy_pids() {
+  case $1 in
+  encgate) echo "$GW_PID" ;;
+  nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | paste -sd' ')" ;;
+  haproxy) echo "$HAP_PID" ;;
+  direct) echo ;;
+  esac
+}
+# ticks PID... -> "ticks pids": utime+stime (fields 14, 15 of /proc/PID/stat,
+# all threads) summed, and the pids read; dies when one of them is gone.
+ticks() {
+  local p sum=0 v
+  for p in "$@"; do
+    v=$(awk '{ sub(/^.*\) /, ""); split($0, f, " "); print f[12] + f[13] }' "/proc/$p/stat" 2>/dev/null) || true
+    [[ $v =~ ^[0-9]+$ ]] || die "cannot read /proc/$p/stat ($(comm_of "$p")): the process is gone"
+    sum=$((sum + v))
+  done
+  echo "$sum $*"
+}
+# us_per_req ticks_before ticks_after requests -> CPU µs per request
+us_per_req() {
+  awk -v a="$1" -v b="$2" -v n="$3" -v hz="$CLK_TCK" 'BEGIN { printf "%.2f", (b - a) * 1e6 / hz / n }'
+}
 
 # ---------------------------------------------------------------- state
 REQ_ID=bench-proxy-req-0
@@ -393,7 +477,7 @@ RSS_FILE=$TMP/rss.txt
 : >"$RSS_FILE"
 RSS_START=$(rss_now)
 
-RAW=$TMP/raw.tsv # workload round target rps p50_us p99_us requests server_busy% loadgen_busy% foreign%
+RAW=$TMP/raw.tsv # workload round target rps p50_us p99_us requests server_busy% loadgen_busy% foreign% proxy_cpu_us/req(NA: direct) fake_cpu_us/req proxy_ticks
 REDONE=0
 CONTAMINATED=()
 : >"$RAW"
@@ -412,7 +496,14 @@ for w in url meta; do
       for ((try = 0; ; try++)); do
         quiet=$(wait_quiet)
         s_srv=$(cpu_snap "$SERVER_CPUS"); s_lg=$(cpu_snap "$LOADGEN_CPUS"); s_all=$(all_snap); proc_snap "$TMP/p0"
+        pp=$(proxy_pids "$t")
+        # shellcheck disable=SC2086 # word splitting intended: a list of pids
+        k_px0=$(ticks $pp); k_fk0=$(ticks "$FAKE_PID")
         line=$(run_wrk "$w" "$t" "$DURATION" "r$round")
+        # shellcheck disable=SC2086
+        k_px1=$(ticks $pp); k_fk1=$(ticks "$FAKE_PID")
+        k_px0=${k_px0%% *} k_px1=${k_px1%% *} k_fk0=${k_fk0%% *} k_fk1=${k_fk1%% *}
+        [ "$(proxy_pids "$t")" = "$pp" ] || die "$t's processes changed during the run: '$pp' then '$(proxy_pids "$t")'"
         b_srv=$(busy_pct "$s_srv" "$(cpu_snap "$SERVER_CPUS")"); b_lg=$(busy_pct "$s_lg" "$(cpu_snap "$LOADGEN_CPUS")")
         proc_snap "$TMP/p1"; e_all=$(all_snap)
         foreign=$(foreign_pct "$(foreign_jiffies "$TMP/p0" "$TMP/p1")" "$s_all" "$e_all")
@@ -431,8 +522,10 @@ for w in url meta; do
       fi
       n=$(field requests "$line"); us=$(field duration_us "$line")
       rps=$(awk -v n="$n" -v us="$us" 'BEGIN{printf "%.0f", n / (us / 1e6)}')
-      printf '%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$round" "$t" "$rps" "$(field p50_us "$line")" "$(field p99_us "$line")" "$n" "$b_srv" "$b_lg" "$foreign" >>"$RAW"
-      log "[$i/$total_runs] $w round $round $t: $rps req/s, p50 $(field p50_us "$line") us, p99 $(field p99_us "$line") us; busy: server cores $b_srv%, wrk cores $b_lg%, outside the benchmark $foreign% of a core"
+      if [ -n "$pp" ]; then cpu=$(us_per_req "$k_px0" "$k_px1" "$n"); else cpu=NA; fi
+      fcpu=$(us_per_req "$k_fk0" "$k_fk1" "$n")
+      printf '%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$round" "$t" "$rps" "$(field p50_us "$line")" "$(field p99_us "$line")" "$n" "$b_srv" "$b_lg" "$foreign" "$cpu" "$fcpu" "$((k_px1 - k_px0))" >>"$RAW"
+      log "[$i/$total_runs] $w round $round $t: $rps req/s, p50 $(field p50_us "$line") us, p99 $(field p99_us "$line") us; proxy CPU ${cpu/NA/-} us/req ($((k_px1 - k_px0)) ticks), fake $fcpu us/req; busy: server cores $b_srv%, wrk cores $b_lg%, outside the benchmark $foreign% of a core"
     done
   done
 done
@@ -441,6 +534,7 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 # ---------------------------------------------------------------- report
 median() { sort -g | awk '{a[NR]=$1} END{ if (NR % 2) printf "%s", a[(NR+1)/2]; else printf "%s", (a[NR/2]+a[NR/2+1])/2 }'; }
 col() { awk -F'\t' -v w="$1" -v t="$2" -v c="$3" '$1==w && $3==t {print $c}' "$RAW"; }
+f2() { awk '{ printf "%.2f", $1 }'; }
 ms() { awk -v us="$1" 'BEGIN{printf "%.3f", us / 1000}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b == 0) print "n/a"; else printf "%.2f", a / b }'; }
 mark() { awk -v v="$1" -v op="$2" -v lim="$3" 'BEGIN{ ok = (op == ">=") ? v >= lim : v <= lim; print ok ? "met" : "missed" }'; }
@@ -458,24 +552,29 @@ name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate
 report=$TMP/report.md
 {
   for w in url meta; do
-    declare -A RPS=() P50=() P99=()
+    declare -A RPS=() P50=() P99=() CPU=()
     for t in "${TARGETS[@]}"; do
       RPS[$t]=$(col "$w" "$t" 4 | median); P50[$t]=$(col "$w" "$t" 5 | median); P99[$t]=$(col "$w" "$t" 6 | median)
+      if [ "$t" = direct ]; then CPU[$t]=—; else CPU[$t]=$(col "$w" "$t" 11 | median | f2); fi
     done
     echo "### POST $(pretty_title "$w")"
     echo
-    echo "| target | req/s (median) | p50 ms (median) | p99 ms (median) | req/s per round | busy % server / wrk cores (median) | CPU outside the benchmark, % of a core (max) |"
-    echo "|---|---:|---:|---:|---|---|---:|"
+    echo "| target | req/s (median) | p99 ms (median) | proxy CPU µs/req (median) | p50 ms (median) | req/s per round | proxy CPU µs/req per round | fake CPU µs/req (median) | busy % server / wrk cores (median) | CPU outside the benchmark, % of a core (max) |"
+    echo "|---|---:|---:|---:|---:|---|---|---:|---|---:|"
     for t in "${TARGETS[@]}"; do
-      printf '| %s | %s | %s | %s | %s | %s / %s | %s |\n' "$(name_of "$t")" "${RPS[$t]}" "$(ms "${P50[$t]}")" "$(ms "${P99[$t]}")" \
-        "$(col "$w" "$t" 4 | paste -sd' ' | sed 's/ /, /g')" "$(col "$w" "$t" 8 | median)" "$(col "$w" "$t" 9 | median)" \
-        "$(col "$w" "$t" 10 | sort -g | tail -1)"
+      if [ "$t" = direct ]; then cpu_rounds=—; else cpu_rounds=$(col "$w" "$t" 11 | paste -sd' ' | sed 's/ /, /g'); fi
+      printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s |\n' "$(name_of "$t")" "${RPS[$t]}" "$(ms "${P99[$t]}")" "${CPU[$t]}" "$(ms "${P50[$t]}")" \
+        "$(col "$w" "$t" 4 | paste -sd' ' | sed 's/ /, /g')" "$cpu_rounds" "$(col "$w" "$t" 12 | median | f2)" \
+        "$(col "$w" "$t" 8 | median)" "$(col "$w" "$t" 9 | median)" "$(col "$w" "$t" 10 | sort -g | tail -1)"
     done
     echo
     r_ng=$(ratio "${RPS[encgate]}" "${RPS[nginx]}"); r_hp=$(ratio "${RPS[encgate]}" "${RPS[haproxy]}"); r_d=$(ratio "${RPS[encgate]}" "${RPS[direct]}")
     q_ng=$(ratio "${P99[encgate]}" "${P99[nginx]}"); q_hp=$(ratio "${P99[encgate]}" "${P99[haproxy]}")
+    c_ng=$(ratio "${CPU[encgate]}" "${CPU[nginx]}"); c_hp=$(ratio "${CPU[encgate]}" "${CPU[haproxy]}")
     echo "| ratio | of the medians | median of per-round ratios (range) | target | |"
     echo "|---|---:|---:|---|---|"
+    echo "| encgate / nginx, proxy CPU per request | $c_ng | $(round_ratios "$w" nginx 11) | ≤ 1.0 | $(mark "$c_ng" "<=" 1.0) |"
+    echo "| encgate / HAProxy, proxy CPU per request | $c_hp | $(round_ratios "$w" haproxy 11) | ≤ 1.0 | $(mark "$c_hp" "<=" 1.0) |"
     echo "| encgate / nginx, req/s | $r_ng | $(round_ratios "$w" nginx 4) | ≥ 1.0 | $(mark "$r_ng" ">=" 1.0) |"
     echo "| encgate / HAProxy, req/s | $r_hp | $(round_ratios "$w" haproxy 4) | ≥ 1.0 | $(mark "$r_hp" ">=" 1.0) |"
     echo "| encgate / direct, req/s | $r_d | $(round_ratios "$w" direct 4) | ≥ 0.5 | $(mark "$r_d" ">=" 0.5) |"
@@ -484,11 +583,15 @@ report=$TMP/report.md
     echo
     echo "Per-round ratios compare runs seconds apart, so they hold up better than the ratio of medians when the whole machine speeds up or slows down between rounds; met/missed is judged on the ratio of the medians."
     echo
+    if [ "$LAYOUT" = split ]; then
+      echo "Layout split: wrk and the fake share core(s) $LOADGEN_CPUS, so req/s and latency (direct's too: wrk and the fake take turns on one core) are bounded by that side when its busy % is near 100; read the proxy CPU per request first here, and LAYOUT=shared for the fixed-budget throughput comparison."
+      echo
+    fi
     if awk -v d="${RPS[direct]}" -v a="${RPS[encgate]}" -v b="${RPS[nginx]}" -v c="${RPS[haproxy]}" 'BEGIN{exit !(d < a || d < b || d < c)}'; then
       echo "**Sanity warning:** a proxied target beat direct on this workload; something else on the machine probably took CPU during some runs; compare the per-round figures."
       echo
     fi
-    unset RPS P50 P99
+    unset RPS P50 P99 CPU
   done
 } >"$report"
 
@@ -527,6 +630,7 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "- machine: $NPROC cores ($cpu_model), $(awk '/^MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo) RAM, kernel $(uname -r), $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
   echo "- versions: encgate $git_v, $go_v, nginx $nginx_v, HAProxy $hap_v, wrk $wrk_v"
   echo "- pinning: $PINNING"
+  echo "- layout: $LAYOUT"
   echo "- load: wrk -t$THREADS -c$CONNS -d${DURATION}s --latency, POST of a small JSON body (Lua script); a ${WARMUP}s warm-up before each measured run; $ROUNDS rounds per workload, targets alternating direct, encgate, nginx, HAProxy in every round; medians over the rounds. 1-minute load average before/after (the benchmark itself adds about 2): $LOAD_BEFORE / $LOAD_AFTER."
   echo "- upstream: one \`encgate fake-encoder\` (Go net/http); req_id \`$REQ_ID\`, its /encode sent once through encgate (which pins it), so both routes answer 200 at once on every target. Every measured and warm-up run had 0 socket errors and 0 non-2xx answers (the script fails otherwise)."
   echo "- encgate: \`encgate gateway\`, log level warn, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
@@ -539,7 +643,11 @@ mkdir -p "$(dirname "$RESULTS")"
   echo
   echo "Runs repeated because something outside the benchmark used the CPU during them: $REDONE."
   echo
-  echo "Busy %: share of the server and wrk cores busy during each measured run (median over rounds); server cores near 100% with wrk's below means the target, not wrk, was the limit. CPU outside the benchmark: other processes' CPU during the run (from /proc/*/stat), max over rounds."
+  echo "Layout: **$LAYOUT** (LAYOUT=split puts the proxy alone on the server core(s) and the fake beside wrk; LAYOUT=shared puts the fake and the proxy on the server core(s) and wrk alone; see the pinning line above)."
+  echo
+  echo "Proxy CPU µs/req: the proxy's own utime+stime (fields 14 and 15 of /proc/PID/stat, all threads; clock ticks of 1/$CLK_TCK s) read just before and just after each measured wrk run, times 10^6 / CLK_TCK / requests completed in that run. Processes counted: encgate's pid; nginx's master and its worker(s) (pgrep -P); HAProxy's pid (one process, nbthread $WORKERS). Direct has no proxy (—). Fake CPU µs/req: the fake encoder's, read the same way (in every target, so the upstream's own cost can be compared too). The CPU ratios' target, ≤ 1.0, is the per-core counterpart of the req/s target (≥ 1.0). CPU per request is measured at whatever rate each target ran at; it falls somewhat as load rises (more events per wake-up), so compare it with the busy % of the server core(s)."
+  echo
+  echo "Busy %: share of the server and wrk cores busy during each measured run (median over rounds); server cores near 100% with wrk's below means what runs on the server cores ($([ "$LAYOUT" = split ] && echo "the proxy" || echo "fake + proxy")), not the wrk cores ($([ "$LAYOUT" = split ] && echo "wrk + fake" || echo "wrk")), was the limit. CPU outside the benchmark: other processes' CPU during the run (from /proc/*/stat), max over rounds."
   echo
   cat "$report"
   echo "$rss_section"

@@ -115,6 +115,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		SecureErrorLogMessage: true,
 		// The read buffer bounds the request line and headers.
 		ReadBufferSize: int(cfg.Limits.MaxHeaderBytes),
+		// A connection holds its read buffer only while a request is being
+		// read, and its write buffer only while an answer is written: one
+		// waiting on the encoder (a held pull) or idle between requests
+		// holds neither (bench/held.sh).
+		ReduceMemoryUsage: true,
 		// fasthttp's ReadTimeout runs from a connection's opening (first
 		// request) or a request's first byte (later ones) until the body is
 		// read. It is set to read_header_timeout, and once the headers are in,

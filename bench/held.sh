@@ -1,0 +1,321 @@
+#!/usr/bin/env bash
+# bench/held.sh: memory per held metadata pull, encgate vs nginx vs HAProxy.
+#
+# sglang receivers pull POST /scheduler_receive_meta_data, which the encoder
+# holds until the part's metadata is published (up to 180 s), so a proxy in
+# front of encoders holds one client and one upstream connection per pull.
+# One `encgate fake-encoder` (--metadata-timeout 1h: it holds a pull whose
+# req_id has no /encode yet) is started once; in front of it, in turn, a
+# fresh encgate (built here; defaults but log level warn and connection
+# limits raised to fit N), nginx (1 worker) and HAProxy (nbthread 1). For each:
+#   1. RSS before: VmRSS summed over the proxy's processes (nginx master +
+#      worker) from /proc/PID/status, after start and a quiet-machine check;
+#   2. bench/heldclient opens N connections through the proxy, each with one
+#      pull for its own req_id (held-<proxy>-<i>);
+#   3. waits until the fake holds all N (its /_fake/stats "waiting" count;
+#      encgate first holds an unpinned follow-up affinity.unknown_wait, 5 s);
+#   4. RSS with N held, once two readings 1 s apart agree within 1%
+#      (SETTLE s after the count reached N): (after - before) / N bytes each;
+#      for encgate also a heap profile and the goroutine count (log only);
+#   5. release: heldclient POSTs /encode for every req_id straight to the
+#      fake; every held client must then get 200 with its req_id and an
+#      embedding_size, or the run FAILs (nothing may be dropped to save memory).
+# Fake and proxy are pinned to core 0, the client to core 1 (taskset), all
+# GOMAXPROCS=1. ROUNDS > 1 interleaves (encgate nginx haproxy encgate ...),
+# each round a fresh proxy process and fresh req_ids; medians shown.
+#
+# Usage:  N=4000 bash bench/held.sh      (root, or sudo for the apt-get step)
+# Environment (defaults in brackets):
+#   N            held pulls per proxy                                [4000]
+#   ROUNDS       rounds (each runs the three proxies)                [1]
+#   SETTLE       seconds between "all N held" and the RSS readings   [2]
+#   HOLD         extra seconds to hold before the release            [0]
+#                (over ~25, encgate's metadata per_try_timeout of 30 s
+#                ends tries, and past the retry budget clients get 504)
+#   PORT_BASE    first of 5 loopback ports (fake, encgate, encgate
+#                admin, nginx, haproxy)                              [19200]
+#   RESULTS      markdown output file              [bench/results/held.md]
+#   KEEP_TMP     1 keeps the temporary directory (configs, logs, heap
+#                profiles)                                           [0]
+#   QUIET_WAIT   seconds to wait for a quiet machine before each proxy [15]
+# A default run takes about a minute after the build.
+# Traffic goes only to 127.0.0.1. Every process the script starts is stopped
+# on exit (trap), and it checks that none of its ports is left listening.
+set -euo pipefail
+# shellcheck source=bench/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+bench_cd_root
+bench_need_go
+ROOT=$PWD
+
+N=${N:-4000} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0}
+PORT_BASE=${PORT_BASE:-19200} KEEP_TMP=${KEEP_TMP:-0}
+RESULTS=${RESULTS:-$ROOT/bench/results/held.md}
+
+die() { echo "held.sh: FAIL: $*" >&2; exit 1; }
+trap 'echo "held.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
+log() { echo "== $*" >&2; }
+
+for v in N ROUNDS SETTLE HOLD PORT_BASE; do [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
+((N >= 1 && N <= 8000)) || die "N must be 1..8000 (each proxy's 2N+ descriptors must fit a 20000 RLIMIT_NOFILE)"
+((ROUNDS >= 1 && ROUNDS <= 9)) || die "ROUNDS must be 1..9"
+ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+(($(ulimit -n) >= 2 * N + 1200)) || die "RLIMIT_NOFILE $(ulimit -n) is too small for N=$N (raise the hard limit)"
+
+export PATH="$PATH:/usr/sbin:/sbin"
+for cp in nginx:nginx haproxy:haproxy curl:curl taskset:util-linux ss:iproute2; do bench_apt_install "${cp%%:*}" "${cp#*:}"; done
+((NPROC = $(nproc))) && ((NPROC >= 2)) || die "needs 2 cores (proxy + fake on core 0, client on core 1)"
+SRV="taskset -c 0" CLI="taskset -c 1"
+
+P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((PORT_BASE + 3)) P_HAP=$((PORT_BASE + 4))
+PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
+declare -A PORT_OF=([encgate]=$P_GW [nginx]=$P_NGINX [haproxy]=$P_HAP)
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for p in "${PORTS[@]}"; do listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"; done
+
+TMP=$(mktemp -d /tmp/encgate-heldbench.XXXXXX)
+chmod 755 "$TMP"
+FAKE_PID= PROXY_PID= HOLD_PID=
+cleanup() {
+  local rc=$? p
+  { exec 5>&-; } 2>/dev/null || true
+  for p in $HOLD_PID $PROXY_PID $FAKE_PID; do
+    kill -TERM "$p" 2>/dev/null || continue
+    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  for p in "${PORTS[@]}"; do
+    if listening "$p"; then echo "held.sh: WARNING: port $p still listening after cleanup" >&2; rc=1; fi
+  done
+  if [ "$KEEP_TMP" = 1 ] || ((rc != 0)); then echo "held.sh: logs, configs and profiles kept in $TMP" >&2; else rm -rf "$TMP"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+wait_port() { for _ in $(seq 100); do listening "$1" && return 0; sleep 0.1; done; die "$2 did not listen on 127.0.0.1:$1 within 10 s (logs in $TMP)"; }
+
+START=$SECONDS
+log "building encgate and bench/heldclient"
+go build -o "$TMP/encgate" . || die "go build failed"
+go build -o "$TMP/heldclient" ./bench/heldclient || die "go build ./bench/heldclient failed"
+
+# ---------------------------------------------------------------- configs
+GW_LIM=$((N + 1024)) GW_CONNS=$((N + 1024 > 10000 ? N + 1024 : 10000))
+cat >"$TMP/gateway.yaml" <<EOF
+# written by bench/held.sh: defaults but for the log level and the limits N needs
+listen: "127.0.0.1:$P_GW"
+admin_listen: "127.0.0.1:$P_ADMIN"
+encoders:
+  - name: fake
+    url: "http://127.0.0.1:$P_FAKE"
+upstream:
+  max_conns_per_encoder: $GW_LIM
+limits:
+  max_conns: $GW_CONNS
+  max_inflight_per_encoder: $GW_LIM
+log:
+  level: warn
+EOF
+"$TMP/encgate" gateway --config "$TMP/gateway.yaml" --check >"$TMP/gw-check.log" 2>&1 || { cat "$TMP/gw-check.log" >&2; die "gateway config refused"; }
+
+# nginx closes connections still waiting for their request ("worker_connections
+# are not enough, reusing connections") once fewer than 1/16 are free: 2N + 1/8 + 512.
+NGX_CONNS=$((2 * N + N / 4 + 512))
+mkdir -p "$TMP/nginx"
+cat >"$TMP/nginx.conf" <<EOF
+# written by bench/held.sh
+daemon off;
+worker_processes 1;
+worker_rlimit_nofile $((NGX_CONNS + 512));
+pid $TMP/nginx/nginx.pid;
+error_log $TMP/nginx/error.log warn;
+events { worker_connections $NGX_CONNS; }
+http {
+  access_log off;
+  client_body_temp_path $TMP/nginx/body; proxy_temp_path $TMP/nginx/proxy;
+  fastcgi_temp_path $TMP/nginx/fastcgi; uwsgi_temp_path $TMP/nginx/uwsgi; scgi_temp_path $TMP/nginx/scgi;
+  upstream fake { server 127.0.0.1:$P_FAKE; keepalive 128; }
+  server {
+    listen 127.0.0.1:$P_NGINX backlog=4096;
+    location / {
+      proxy_pass http://fake;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_read_timeout 600s;
+    }
+  }
+}
+EOF
+nginx -t -c "$TMP/nginx.conf" -p "$TMP/nginx" >"$TMP/nginx/test.log" 2>&1 || { cat "$TMP/nginx/test.log" >&2; die "nginx config invalid"; }
+
+cat >"$TMP/haproxy.cfg" <<EOF
+# written by bench/held.sh (no 'log' directive: no log lines)
+global
+  nbthread 1
+  maxconn $((N + 512))
+defaults
+  mode http
+  maxconn $((N + 512))
+  option http-keep-alive
+  http-reuse always
+  timeout connect 5s
+  timeout client 600s
+  timeout server 600s
+frontend fe
+  bind 127.0.0.1:$P_HAP
+  default_backend be
+backend be
+  server fake 127.0.0.1:$P_FAKE
+EOF
+haproxy -c -q -f "$TMP/haproxy.cfg" >"$TMP/haproxy-check.log" 2>&1 || { cat "$TMP/haproxy-check.log" >&2; die "haproxy config invalid"; }
+
+# ---------------------------------------------------------------- helpers
+log "starting the fake encoder on core 0"
+GOMAXPROCS=1 $SRV "$TMP/encgate" fake-encoder --listen "127.0.0.1:$P_FAKE" --name fake \
+  --metadata-timeout 1h --sweep-after 2h >"$TMP/fake.log" 2>&1 &
+FAKE_PID=$!
+wait_port "$P_FAKE" "fake encoder"
+
+held_count() { # pulls the fake holds right now
+  curl -sS --max-time 5 "http://127.0.0.1:$P_FAKE/_fake/stats" | grep -o '"waiting":{[^}]*}' |
+    grep -o '"/scheduler_receive_meta_data":[0-9]*' | cut -d: -f2 | grep . || echo 0
+}
+rss_kb() { # VmRSS of $1 and its children, kB
+  local p sum=0 kb
+  for p in "$1" $(pgrep -P "$1" || true); do
+    kb=$(awk '/^VmRSS:/ {print $2}' "/proc/$p/status" 2>/dev/null || true)
+    sum=$((sum + ${kb:-0}))
+  done
+  echo "$sum"
+}
+start_proxy() { # name -> PROXY_PID
+  case $1 in
+    encgate) GOMAXPROCS=1 $SRV "$TMP/encgate" gateway --config "$TMP/gateway.yaml" >"$TMP/gateway-$2.log" 2>&1 & ;;
+    nginx) $SRV nginx -c "$TMP/nginx.conf" -p "$TMP/nginx" >"$TMP/nginx/stdout-$2.log" 2>&1 & ;;
+    haproxy) $SRV haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy-$2.log" 2>&1 & ;;
+  esac
+  PROXY_PID=$!
+  wait_port "${PORT_OF[$1]}" "$1"
+  [ "$1" != encgate ] || wait_port "$P_ADMIN" "encgate admin"
+}
+stop_proxy() {
+  kill -TERM "$PROXY_PID" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$PROXY_PID" 2>/dev/null || true; wait "$PROXY_PID" 2>/dev/null || true; PROXY_PID=
+}
+
+RAW=$TMP/raw.tsv # proxy round before_kB after_kB bytes_per_pull ok wrong missing early held
+: >"$RAW"
+FAILS=()
+measure() { # proxy round
+  local px=$1 r=$2 prefix before after prev held=0 line
+  prefix=held-$px-; ((r == 1)) || prefix=held-$px-r$r-
+  curl -sS --max-time 5 -X POST "http://127.0.0.1:$P_FAKE/_fake/reset" >/dev/null
+  [ "$(held_count)" = 0 ] || die "the fake still holds pulls from the previous proxy"
+  start_proxy "$px" "$r"
+  bench_wait_quiet; sleep 1
+  before=$(rss_kb "$PROXY_PID")
+  rm -f "$TMP/ctl"; mkfifo "$TMP/ctl"
+  $CLI "$TMP/heldclient" hold -addr "127.0.0.1:${PORT_OF[$px]}" -n "$N" -prefix "$prefix" -timeout 60s \
+    <"$TMP/ctl" >"$TMP/hold-$px-$r.out" 2>"$TMP/hold-$px-$r.err" &
+  HOLD_PID=$!
+  exec 5>"$TMP/ctl"
+  local t0=$SECONDS
+  until grep -q '^sent' "$TMP/hold-$px-$r.out" 2>/dev/null; do
+    ((SECONDS - t0 < 60)) || die "$px: heldclient did not get its $N requests out within 60 s"
+    kill -0 "$HOLD_PID" 2>/dev/null || { cat "$TMP/hold-$px-$r.err" >&2; die "$px: heldclient exited"; }
+    sleep 0.2
+  done
+  log "$px round $r: $(cat "$TMP/hold-$px-$r.out") in $((SECONDS - t0)) s; waiting for the fake to hold them"
+  while held=$(held_count); ((held < N && SECONDS - t0 < 90)); do sleep 0.2; done
+  ((held == N)) || log "$px round $r: WARNING: the fake holds only $held of $N after $((SECONDS - t0)) s"
+  log "$px round $r: fake holds $held after $((SECONDS - t0)) s; $(ss -Htn state established "( dport = :$P_FAKE )" | wc -l) established connections to the fake"
+  sleep "$SETTLE"
+  prev=$(rss_kb "$PROXY_PID")
+  for _ in 1 2 3 4 5; do
+    sleep 1; after=$(rss_kb "$PROXY_PID")
+    awk -v a="$after" -v b="$prev" 'BEGIN { exit !(a - b < a / 100 && b - a < a / 100) }' && break
+    prev=$after
+  done
+  held=$(held_count)
+  ((held == N)) || FAILS+=("$px round $r: the fake held $held of $N when RSS was read")
+  if [ "$px" = encgate ]; then
+    curl -sS --max-time 30 "http://127.0.0.1:$P_ADMIN/debug/pprof/heap" >"$TMP/heap-$r.pprof"
+    curl -sS --max-time 30 "http://127.0.0.1:$P_ADMIN/debug/pprof/goroutine?debug=1" >"$TMP/goroutine-$r.txt"
+    log "encgate round $r, $held held: $(head -1 "$TMP/goroutine-$r.txt"); goroutine?debug=1 | head -5:"
+    awk 'NR <= 5' "$TMP/goroutine-$r.txt" >&2
+    curl -sS --max-time 5 "http://127.0.0.1:$P_ADMIN/metrics" | grep -E '^go_(goroutines|memstats_(heap_inuse|stack_inuse|sys)_bytes) ' >&2 || true
+    log "encgate heap, go tool pprof -top -sample_index=inuse_space (top 15):"
+    go tool pprof -top -sample_index=inuse_space "$TMP/encgate" "$TMP/heap-$r.pprof" 2>&1 | awk 'NR <= 21' >&2 || true
+  fi
+  ((HOLD == 0)) || { log "$px round $r: holding $HOLD s more (HOLD)"; sleep "$HOLD"; }
+  echo release >&5; exec 5>&-
+  $CLI "$TMP/heldclient" encode -addr "127.0.0.1:$P_FAKE" -n "$N" -prefix "$prefix" -c 32 >"$TMP/encode-$px-$r.out" 2>&1 ||
+    { cat "$TMP/encode-$px-$r.out" >&2; FAILS+=("$px round $r: /encode to the fake failed"); }
+  wait "$HOLD_PID" || true; HOLD_PID=
+  line=$(grep '^ok ' "$TMP/hold-$px-$r.out" || echo "ok 0 wrong 0 missing $N early 0")
+  read -r _ ok _ wrong _ missing _ early <<<"$line"
+  if ((ok != N || early != 0)); then
+    FAILS+=("$px round $r: $line")
+    log "$px round $r: FAIL: $line; reasons:"; cat "$TMP/hold-$px-$r.err" >&2
+  fi
+  if [ "$px" = encgate ]; then
+    log "encgate round $r: its log ($(wc -l <"$TMP/gateway-$r.log") lines at warn and above):"; awk 'NR <= 5' "$TMP/gateway-$r.log" >&2
+    log "encgate round $r: metrics (refusals, retries, requests):"
+    curl -sS --max-time 5 "http://127.0.0.1:$P_ADMIN/metrics" | grep -E '^encgate_(upstream_refused|connections_rejected|retries|retry_budget_exhausted|requests|upstream_requests)_total' >&2 || true
+  fi
+  stop_proxy
+  printf '%s\t%d\t%d\t%d\t%.0f\t%d\t%d\t%d\t%d\t%d\n' "$px" "$r" "$before" "$after" \
+    "$(awk -v a="$after" -v b="$before" -v n="$N" 'BEGIN { print (a - b) * 1024 / n }')" "$ok" "$wrong" "$missing" "$early" "$held" >>"$RAW"
+  log "$px round $r: RSS $before kB -> $after kB with $held held: $(tail -1 "$RAW" | cut -f5) B per pull; $line"
+}
+
+PROXIES=(encgate nginx haproxy)
+for ((round = 1; round <= ROUNDS; round++)); do
+  for px in "${PROXIES[@]}"; do measure "$px" "$round"; done
+done
+
+# ---------------------------------------------------------------- report
+col() { awk -F'\t' -v p="$1" -v c="$2" '$1 == p {print $c}' "$RAW"; }
+total() { col "$1" "$2" | awk '{ s += $1 } END { print s + 0 }'; }
+mib() { awk -v kb="$1" 'BEGIN { printf "%.1f MiB", kb / 1024 }'; }
+declare -A BPP
+name_of() { case $1 in encgate) echo encgate;; nginx) echo "nginx (1 worker)";; haproxy) echo "HAProxy (nbthread 1)";; esac; }
+table=$TMP/table.md
+{
+  echo "| | bytes per held pull | RSS before | RSS with $N held | answered after release |"
+  echo "|---|---:|---:|---:|---|"
+  for px in "${PROXIES[@]}"; do
+    BPP[$px]=$(col "$px" 5 | bench_median | xargs printf "%.0f")
+    ok=$(total "$px" 6) tot=$((N * ROUNDS))
+    ans="$ok/$tot ok"; ((ok == tot)) || ans="**$ans** (wrong $(total "$px" 7), missing $(total "$px" 8), early $(total "$px" 9))"
+    printf '| %s | %s | %s | %s | %s |\n' "$(name_of "$px")" "${BPP[$px]}" "$(mib "$(col "$px" 3 | bench_median)")" \
+      "$(mib "$(col "$px" 4 | bench_median)")" "$ans"
+  done
+  echo
+  ratio() { awk -v a="${BPP[encgate]}" -v b="${BPP[$1]}" 'BEGIN { if (b <= 0) print "n/a"; else printf "%.2f", a / b }'; }
+  echo "- encgate / nginx, bytes per held pull: $(ratio nginx)"
+  echo "- encgate / HAProxy, bytes per held pull: $(ratio haproxy)"
+  ((ROUNDS == 1)) || echo "- per round, bytes per held pull: $(for px in "${PROXIES[@]}"; do printf '%s %s; ' "$px" "$(col "$px" 5 | paste -sd,)"; done)"
+  bench_noise_note
+} >"$table"
+
+git_v=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD -- . ':!bench' 2>/dev/null || git_v="$git_v (with uncommitted changes)"
+mkdir -p "$(dirname "$RESULTS")"
+{
+  echo "# Held metadata pulls: proxy memory per pull"
+  echo
+  echo "Generated by \`N=$N bash bench/held.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'); $(bench_machine)."
+  echo
+  echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own), go through the proxy; once the fake holds all $N, the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
+  echo
+  echo "- versions: encgate $git_v, $(go version | awk '{print $3}'), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v 2>&1 | awk 'NR == 1')"
+  echo "- encgate: defaults (affinity.unknown_wait 5s: an unpinned pull waits that long before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder and limits.max_inflight_per_encoder $GW_LIM. nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
+  echo
+  cat "$table"
+} >"$RESULTS"
+echo; cat "$table"; echo
+log "written to $RESULTS; took $((SECONDS - START)) s"
+((${#FAILS[@]} == 0)) || die "$(IFS=';'; echo "${FAILS[*]}")"
