@@ -41,6 +41,16 @@ type Conn struct {
 	held    []byte  // bytes written by Write and not yet sent
 	heldBox *[]byte // held's pool entry (nil when none is taken)
 
+	// Server: a small Read reads a pooled buffer's worth (aheadBox), so a
+	// request whose first byte a caller asks for alone (fasthttp does, to
+	// borrow its read buffer only once a request has begun) costs one read,
+	// not two. ahead is what is left for the next Reads; the buffer goes
+	// back to the pool once they have taken it, and is never held while a
+	// Read waits.
+	ahead    []byte
+	aheadBox *[]byte
+	aheadFn  func(fd uintptr) bool
+
 	// What left since the last answer: bytes put on the wire by writes since
 	// a read last returned bytes, and whether a write failed since. Unsent
 	// reads them; only the goroutine using the connection touches them.
@@ -93,6 +103,7 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	}
 	cc := &Conn{TCPConn: tc, rc: rc, hold: hold}
 	cc.readFn = cc.read
+	cc.aheadFn = cc.readAhead
 	cc.sendFn = cc.sendThenRead
 	cc.writeFn = cc.write
 	cc.tryFn = cc.tryWrite
@@ -173,14 +184,78 @@ func (c *Conn) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	if len(c.ahead) > 0 {
+		n := copy(p, c.ahead)
+		c.ahead = c.ahead[n:]
+		if len(c.ahead) == 0 {
+			c.releaseAhead()
+		}
+		return n, nil
+	}
+	return c.readRaw(p)
+}
+
+// minDirectRead is the smallest server Read that reads into the caller's
+// buffer; a smaller one reads ahead into a pooled buffer.
+const minDirectRead = 512
+
+// aheadBufs pools server read-ahead buffers.
+var aheadBufs = sync.Pool{New: func() any { b := make([]byte, 4096); return &b }}
+
+// releaseAhead gives the read-ahead buffer back to the pool.
+func (c *Conn) releaseAhead() {
+	if c.aheadBox != nil {
+		aheadBufs.Put(c.aheadBox)
+		c.aheadBox, c.ahead = nil, nil
+	}
+}
+
+// readAhead is the RawConn callback of a small server read: it reads into
+// a buffer taken from the pool for the attempt and given back when the
+// socket has nothing (false: wait), so none is held while waiting.
+func (c *Conn) readAhead(fd uintptr) bool {
+	box := aheadBufs.Get().(*[]byte)
+	for {
+		n, errno := rawRead(fd, *box)
+		switch {
+		case errno == syscall.EINTR:
+			continue
+		case errno == syscall.EAGAIN:
+			aheadBufs.Put(box)
+			return false
+		case errno != 0:
+			aheadBufs.Put(box)
+			c.err, c.errOp = os.NewSyscallError("read", errno), "read"
+		case n == 0:
+			aheadBufs.Put(box)
+			c.err = io.EOF
+		default:
+			k := copy(c.buf, (*box)[:n])
+			c.n = k
+			c.outSinceRead, c.writeFailed = 0, false
+			if k < n {
+				c.aheadBox, c.ahead = box, (*box)[k:n]
+			} else {
+				aheadBufs.Put(box)
+			}
+		}
+		return true
+	}
+}
+
+// readRaw reads from the socket (sending a held request first).
+func (c *Conn) readRaw(p []byte) (int, error) {
 	if err := c.beginRead(); err != nil {
 		c.endRead()
 		return 0, c.opError("read", err)
 	}
 	c.buf, c.n, c.err, c.sent = p, 0, nil, false
 	fn := c.readFn
-	if len(c.held) > 0 {
+	switch {
+	case len(c.held) > 0:
 		fn = c.sendFn
+	case !c.hold && len(p) < minDirectRead:
+		fn = c.aheadFn
 	}
 	rerr := c.rc.Read(fn)
 	c.endRead()
@@ -192,7 +267,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 		if werr := c.flush(); werr != nil {
 			return 0, werr
 		}
-		return c.Read(p)
+		return c.readRaw(p)
 	}
 	if rerr != nil {
 		return 0, c.opError("read", rerr)
@@ -382,12 +457,26 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	return n, err
 }
 
-// WriteTo sends what is held, then copies the connection to w.
+// WriteTo sends what is held, hands w what was read ahead, then copies
+// the connection to w.
 func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	if err := c.flush(); err != nil {
 		return 0, err
 	}
-	return c.TCPConn.WriteTo(w)
+	var n int64
+	if len(c.ahead) > 0 {
+		m, err := w.Write(c.ahead)
+		n = int64(m)
+		c.ahead = c.ahead[m:]
+		if len(c.ahead) == 0 {
+			c.releaseAhead()
+		}
+		if err != nil {
+			return n, err
+		}
+	}
+	m, err := c.TCPConn.WriteTo(w)
+	return n + m, err
 }
 
 // Close closes the connection. Bytes still held are dropped, not sent: they

@@ -490,3 +490,54 @@ func TestWriteThatMustWaitHonoursTheWriteDeadline(t *testing.T) {
 		t.Fatalf("err = %#v, want *net.OpError with Op write", err)
 	}
 }
+
+// A server Read of one byte (fasthttp asks for a request's first byte
+// alone) reads what has arrived in one go; the next Reads get the rest
+// from memory, in order, and later bytes come from the socket again.
+func TestServerSmallReadReadsAhead(t *testing.T) {
+	c, peer := pair(t, Server)
+	if _, err := io.WriteString(peer, "POST /a HTTP/1.1\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	one := make([]byte, 1)
+	if n, err := c.Read(one); n != 1 || err != nil || one[0] != 'P' {
+		t.Fatalf("Read = %d %q %v", n, one, err)
+	}
+	if len(c.(*Conn).ahead) == 0 {
+		t.Fatal("nothing was read ahead")
+	}
+	rest := make([]byte, 64)
+	n, err := c.Read(rest)
+	if err != nil || string(rest[:n]) != "OST /a HTTP/1.1\r\n\r\n" {
+		t.Fatalf("rest = %q, %v", rest[:n], err)
+	}
+	if cc := c.(*Conn); cc.aheadBox != nil || len(cc.ahead) != 0 {
+		t.Fatal("the read-ahead buffer was kept after it was drained")
+	}
+	if _, err := io.WriteString(peer, "next"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.ReadFull(c, rest[:4]); n != 4 || err != nil || string(rest[:4]) != "next" {
+		t.Fatalf("next = %q, %v", rest[:n], err)
+	}
+}
+
+// Bytes read ahead and not yet taken go to WriteTo first.
+func TestServerWriteToHandsOverWhatWasReadAhead(t *testing.T) {
+	c, peer := pair(t, Server)
+	if _, err := io.WriteString(peer, "abcdef"); err != nil {
+		t.Fatal(err)
+	}
+	one := make([]byte, 1)
+	if _, err := c.Read(one); err != nil {
+		t.Fatal(err)
+	}
+	peer.Close()
+	var out bytes.Buffer
+	if _, err := c.(*Conn).WriteTo(&out); err != nil {
+		t.Fatal(err)
+	}
+	if out.String() != "bcdef" {
+		t.Fatalf("WriteTo gave %q", out.String())
+	}
+}
