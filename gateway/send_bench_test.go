@@ -75,15 +75,24 @@ func BenchmarkSendReplay(b *testing.B) {
 }
 
 // BenchmarkSendProxied is a first /send: parsed, claimed, forwarded to the
-// encoder over loopback, stored. Every iteration uses a new destination.
+// encoder over loopback, stored. Every iteration uses a new destination;
+// each req_id takes 1,000 of them (below idempotency.max_destinations_per_req_id),
+// then the next req_id is encoded, untimed.
 func BenchmarkSendProxied(b *testing.B) {
 	s := benchGateway(b)
-	id := "bench_local_part_0"
-	s.handle(handlerCtx("/encode", encodeBody(id)))
+	const perReqID = 1000
+	id := ""
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		body := fmt.Sprintf(`{"req_id":%q,"part_idx":0,"prefill_host":"10.0.0.1","embedding_port":%d,"session_id":"10.0.0.1:17000","buffer_address":%d}`, id, i%65536, i)
+		if i%perReqID == 0 {
+			b.StopTimer()
+			id = fmt.Sprintf("bench%d_local_part_0", i/perReqID)
+			s.handle(handlerCtx("/encode", encodeBody(id)))
+			b.StartTimer()
+		}
+		body := fmt.Sprintf(`{"req_id":%q,"part_idx":0,"prefill_host":"10.0.0.1","embedding_port":%d,"session_id":"10.0.0.1:17000","buffer_address":%d}`,
+			id, 1+i%perReqID, i)
 		ctx := handlerCtx("/send", body)
 		s.handle(ctx)
 		if ctx.Response.StatusCode() != 200 {
