@@ -70,7 +70,7 @@ SRV="taskset -c 0" CLI="taskset -c 1"
 P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((PORT_BASE + 3)) P_HAP=$((PORT_BASE + 4))
 PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
 declare -A PORT_OF=([encgate]=$P_GW [nginx]=$P_NGINX [haproxy]=$P_HAP)
-listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+listening() { bench_listening "$1"; }
 for p in "${PORTS[@]}"; do listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"; done
 
 TMP=$(mktemp -d /tmp/encgate-heldbench.XXXXXX)
@@ -79,15 +79,9 @@ FAKE_PID= PROXY_PID= HOLD_PID=
 cleanup() {
   local rc=$? p
   { exec 5>&-; } 2>/dev/null || true
-  for p in $HOLD_PID $PROXY_PID $FAKE_PID; do
-    kill -TERM "$p" 2>/dev/null || continue
-    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$p" 2>/dev/null || true
-    wait "$p" 2>/dev/null || true
-  done
-  for p in "${PORTS[@]}"; do
-    if listening "$p"; then echo "held.sh: WARNING: port $p still listening after cleanup" >&2; rc=1; fi
-  done
+  # shellcheck disable=SC2086 # empty pids drop out
+  bench_stop $HOLD_PID $PROXY_PID $FAKE_PID
+  bench_ports_free held.sh "${PORTS[@]}" || rc=1
   if [ "$KEEP_TMP" = 1 ] || ((rc != 0)); then echo "held.sh: logs, configs and profiles kept in $TMP" >&2; else rm -rf "$TMP"; fi
   exit "$rc"
 }

@@ -68,6 +68,8 @@
 # Traffic goes only to 127.0.0.1. Every process the script starts is stopped
 # on exit (trap), and it checks that none of its ports is left listening.
 set -euo pipefail
+# shellcheck source=bench/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 
 DURATION=${DURATION:-6}
 WARMUP=${WARMUP:-1}
@@ -188,7 +190,7 @@ fi
 # ---------------------------------------------------------------- ports, tmp
 P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((PORT_BASE + 3)) P_HAP=$((PORT_BASE + 4))
 PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
-listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+listening() { bench_listening "$1"; }
 for p in "${PORTS[@]}"; do
   listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"
 done
@@ -200,15 +202,8 @@ SAMPLER=
 cleanup() {
   local rc=$? p
   [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null || true
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${PIDS[@]}"; do
-    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$p" 2>/dev/null || true
-    wait "$p" 2>/dev/null || true
-  done
-  for p in "${PORTS[@]}"; do
-    if listening "$p"; then echo "proxy.sh: WARNING: port $p still listening after cleanup" >&2; rc=1; fi
-  done
+  bench_stop "${PIDS[@]}"
+  bench_ports_free proxy.sh "${PORTS[@]}" || rc=1
   if [ "$KEEP_TMP" = 1 ] || ((rc != 0)); then echo "proxy.sh: logs and configs kept in $TMP" >&2; else rm -rf "$TMP"; fi
   exit "$rc"
 }

@@ -94,3 +94,28 @@ bench_noise_note() {
 		echo "- **$BENCH_NOISY measurement(s) started while other processes kept the machine busy** (waited ${QUIET_WAIT:-15} s for quiet each time): figures may be low."
 	fi
 }
+
+# bench_listening PORT: something accepts on 127.0.0.1:PORT.
+bench_listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# bench_stop PID...: TERM each, give each up to 5 s, then KILL; reaps them.
+bench_stop() {
+	local p
+	for p in "$@"; do kill -TERM "$p" 2>/dev/null || true; done
+	for p in "$@"; do
+		for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+		kill -KILL "$p" 2>/dev/null || true
+		wait "$p" 2>/dev/null || true
+	done
+}
+
+# bench_ports_free NAME PORT...: warns (as NAME) about each port still
+# listening; fails when there is one.
+bench_ports_free() {
+	local name=$1 p rc=0
+	shift
+	for p in "$@"; do
+		if bench_listening "$p"; then echo "$name: WARNING: port $p still listening after cleanup" >&2; rc=1; fi
+	done
+	return "$rc"
+}
