@@ -452,21 +452,21 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 			if err != nil {
 				return nil, &DialError{Encoder: name, Err: err}
 			}
-			if tc, ok := c.(*net.TCPConn); ok {
-				_ = tc.SetNoDelay(true)
-			}
-			return newProbedConn(tcpconn.Client(c)), nil
+			return c, nil
 		},
 	}
 }
 
-// dialAside dials on a goroutine of its own and waits for it. The dial
-// runs deep in the resolver and the socket calls; done on the exchange's
-// goroutine, which sits near the bottom of a request's call chain, it
-// would double that goroutine's stack (8 to 16 KiB), and a request held
-// at the encoder (a pull, up to 180 s) keeps its stack the whole time.
-// A dial is rare (connections are kept alive), so its goroutine costs
-// little; the held requests' stacks are what bench/held.sh counts.
+// dialAside dials on a goroutine of its own, wraps the connection there
+// (TCP_NODELAY, tcpconn, the stale probe) and waits for it. The dial runs
+// deep in the resolver and the socket calls, and the wrapping allocates;
+// done on the exchange's goroutine, near the bottom of a request's call
+// chain, either would grow that goroutine's stack from 8 to 16 KiB (an
+// allocation there during a GC cycle runs the mark assist on top of it),
+// and a request held at the encoder (a pull, up to 180 s) keeps its stack
+// the whole time. A dial is rare (connections are kept alive), so its
+// goroutine costs little; the held requests' stacks are what
+// bench/held.sh counts.
 func dialAside(d *net.Dialer, addr string) (net.Conn, error) {
 	type dialed struct {
 		c   net.Conn
@@ -475,6 +475,12 @@ func dialAside(d *net.Dialer, addr string) (net.Conn, error) {
 	ch := make(chan dialed, 1)
 	go func() {
 		c, err := d.Dial("tcp", addr)
+		if err == nil {
+			if tc, ok := c.(*net.TCPConn); ok {
+				_ = tc.SetNoDelay(true)
+			}
+			c = newProbedConn(tcpconn.Client(c))
+		}
 		ch <- dialed{c, err}
 	}()
 	r := <-ch
