@@ -102,6 +102,13 @@ func wrap(c net.Conn, hold bool) net.Conn {
 		return c
 	}
 	cc := &Conn{TCPConn: tc, rc: rc, hold: hold}
+	if hold {
+		// The first request's buffer is taken here, where the connection is
+		// made, rather than at its first Write, deep in a request's call
+		// chain (an allocation there can grow that goroutine's stack).
+		cc.heldBox = heldBufs.Get().(*[]byte)
+		cc.held = (*cc.heldBox)[:0]
+	}
 	cc.readFn = cc.read
 	cc.aheadFn = cc.readAhead
 	cc.sendFn = cc.sendThenRead
