@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -20,22 +19,7 @@ func (s *scripted) header(path string) http.Header {
 // postAuth posts body to url with the given Authorization header.
 func postAuth(t *testing.T, url, body, authorization string) answer {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Authorization", authorization)
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return answer{resp.StatusCode, resp.Header, string(b)}
+	return doWith(t, http.MethodPost, url, body, http.Header{"Authorization": {authorization}})
 }
 
 func writeAgentToken(t *testing.T, path, token string) {

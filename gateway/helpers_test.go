@@ -126,12 +126,21 @@ var client = &http.Client{Timeout: 30 * time.Second}
 
 func do(t *testing.T, method, url, body string) answer {
 	t.Helper()
+	return doWith(t, method, url, body, nil)
+}
+
+// doWith is do with extra request headers.
+func doWith(t *testing.T, method, url, body string, header http.Header) answer {
+	t.Helper()
 	req, err := http.NewRequest(method, url, strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if body != "" {
 		req.Header.Set("Content-Type", "application/json")
+	}
+	for k, v := range header {
+		req.Header[k] = v
 	}
 	resp, err := client.Do(req)
 	if err != nil {
