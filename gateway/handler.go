@@ -64,7 +64,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	}
 	// Exchange, then the envelope.
 	resp := fasthttp.AcquireResponse()
-	res := s.exchange(ctx, rt, req, 0, resp)
+	res := s.exchange(ctx, rt, req.ReqID, req.Rank, 0, resp)
 	s.answer(ctx, rt, req.ReqID, res, resp)
 	fasthttp.ReleaseResponse(resp)
 }
@@ -86,9 +86,9 @@ func (s *Server) refuse(ctx *fasthttp.RequestCtx, rt *sglang.Route, ferr *sglang
 
 // exchange runs the call's attempts with the encoders (upstream.Exchange):
 // resp receives the encoder's last answer.
-func (s *Server) exchange(ctx *fasthttp.RequestCtx, rt *sglang.Route, req sglang.Request, limit time.Duration, resp *fasthttp.Response) upstream.Result {
+func (s *Server) exchange(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, limit time.Duration, resp *fasthttp.Response) upstream.Result {
 	return s.pool.Exchange(&upstream.Call{
-		Route: rt, ReqID: req.ReqID, Rank: req.Rank,
+		Route: rt, ReqID: reqID, Rank: rank,
 		Method: ctx.Method(), ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(),
 		Limit: limit, Done: ctx.Done(), Resp: resp,
 	})

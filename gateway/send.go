@@ -39,7 +39,7 @@ func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sgla
 	res := s.sends.Do(context.Background(), req, deadline, func(timeout time.Duration) (idempotency.Answer, bool) {
 		resp := fasthttp.AcquireResponse()
 		defer fasthttp.ReleaseResponse(resp)
-		r := s.exchange(ctx, rt, sglang.Request{ReqID: req.Key.ReqID}, timeout, resp)
+		r := s.exchange(ctx, rt, req.Key.ReqID, false, timeout, resp)
 		s.answer(ctx, rt, req.Key.ReqID, r, resp)
 		return s.snapshot(ctx, r), r.Delivered
 	})

@@ -61,7 +61,8 @@ func (p *Pool) Exchange(c *Call) Result {
 	} else {
 		st = &pinned{p: p, c: c}
 	}
-	res := p.attempts(c, f, pol, st)
+	var res Result
+	p.attempts(c, f, pol, st, &res)
 	if c.Route.Kind == sglang.KindEncode {
 		r, _ := st.(*ranked)
 		res.placed = r != nil && r.placed != nil && !r.lost
@@ -83,7 +84,10 @@ type strategy interface {
 	more(n int) bool
 }
 
-func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result {
+// attempts fills res; results and targets go by pointer here and in attempt
+// because every frame of this chain stays on the goroutine's stack while a
+// request waits on the encoder (bench/held.sh).
+func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *Result) {
 	now := p.clk.Now()
 	deadline := now.Add(pol.Deadline.D())
 	if c.Limit > 0 && now.Add(c.Limit).Before(deadline) {
@@ -91,25 +95,24 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result
 	}
 	budget := f.budgets[c.Route.Label]
 	budget.Request()
-	var res Result
 	for n := 1; ; n++ {
 		t, end, ok := st.pick(n, res.Delivered)
 		if end != nil {
 			res.Verdict = *end
-			return res
+			return
 		}
 		if !ok {
-			return res
+			return
 		}
-		res.Verdict = p.attempt(c, t, f, pol, deadline)
+		p.attempt(c, &t, f, pol, deadline, &res.Verdict)
 		res.Attempts, res.enc = n, t.enc
 		res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
 		if !res.Verdict.Retry || n >= pol.MaxAttempts || !st.more(n+1) {
-			return res
+			return
 		}
 		wait := pol.Backoff(n, p.rand(), p.retryAfter(c, &res.Verdict))
 		if p.clk.Now().Add(wait).After(deadline) {
-			return res
+			return
 		}
 		// A long poll whose try ran out in the gateway while the encoder
 		// held it (by design: sglang holds a pull up to 180s) goes on
@@ -119,12 +122,12 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy) Result
 		// slow encode. The encoder's own quick 504s (a storm) still pay.
 		if !heldPollExpired(&res.Verdict) && !budget.Retry() {
 			p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
-			return res
+			return
 		}
 		p.m.retries.WithLabelValues(c.Route.Label, res.Verdict.Reason).Inc()
 		p.m.backoff.Observe(wait.Seconds())
 		if !p.sleep(c.Done, wait) {
-			return res
+			return
 		}
 	}
 }
@@ -135,15 +138,15 @@ func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause 
 
 // attempt is one exchange of c with t, judged once; the breaker is told
 // the verdict's Mark when it admitted the exchange.
-func (p *Pool) attempt(c *Call, t target, f *fleet, pol *RetryPolicy, deadline time.Time) Verdict {
+func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline time.Time, v *Verdict) {
 	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(p.clk.Now()))
 	if timeout <= 0 {
-		return noTimeVerdict(c.Route, t.name)
+		*v = noTimeVerdict(c.Route, t.name)
+		return
 	}
 	done, admitted := t.enc.Breaker.Allow()
-	var v Verdict
 	if !admitted && t.place != nil {
-		v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name,
+		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name,
 			Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}})
 	} else {
 		c.Resp.Reset()
@@ -160,15 +163,14 @@ func (p *Pool) attempt(c *Call, t target, f *fleet, pol *RetryPolicy, deadline t
 		if err == nil {
 			o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
 		}
-		v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
+		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
 	}
 	if admitted {
 		done(v.Breaker)
 	} else if v.Breaker != MarkNone {
 		v.Breaker = MarkNone // sent uncounted: the state cannot move elsewhere
 	}
-	p.m.exchanged(t, c.Route, &v)
-	return v
+	p.m.exchanged(*t, c.Route, v)
 }
 
 // retryAfter is the encoder's Retry-After on the last answer, if any.

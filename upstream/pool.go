@@ -187,7 +187,7 @@ func (e *Encoder) targetFor(rt *sglang.Route, place func() bool) target {
 // limits.max_inflight_per_encoder exchanges already in flight to the
 // encoder (its agent's included), it sends nothing and returns an
 // *InflightLimitError.
-func (t target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
+func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
 	if err := t.enc.acquire(); err != nil {
 		return err
 	}
@@ -459,13 +459,11 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 
 // dialAside dials on a goroutine of its own, wraps the connection there
 // (TCP_NODELAY, tcpconn, the stale probe) and waits for it. The dial runs
-// deep in the resolver and the socket calls, and the wrapping allocates;
-// done on the exchange's goroutine, near the bottom of a request's call
-// chain, either would grow that goroutine's stack from 8 to 16 KiB (an
-// allocation there during a GC cycle runs the mark assist on top of it),
-// and a request held at the encoder (a pull, up to 180 s) keeps its stack
-// the whole time. A dial is rare (connections are kept alive), so its
-// goroutine costs little; the held requests' stacks are what
+// deep in the resolver and the socket calls; done on the exchange's
+// goroutine, near the bottom of a request's call chain, it would touch
+// stack pages that a request held at the encoder (a pull, up to 180 s)
+// then keeps the whole time. A dial is rare (connections are kept alive),
+// so its goroutine costs little; the held requests' memory is what
 // bench/held.sh counts.
 func dialAside(d *net.Dialer, addr string) (net.Conn, error) {
 	type dialed struct {

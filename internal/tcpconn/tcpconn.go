@@ -104,8 +104,8 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	cc := &Conn{TCPConn: tc, rc: rc, hold: hold}
 	if hold {
 		// The first request's buffer is taken here, where the connection is
-		// made, rather than at its first Write, deep in a request's call
-		// chain (an allocation there can grow that goroutine's stack).
+		// made (on the dialling goroutine), rather than at its first Write,
+		// on the request's own.
 		cc.heldBox = heldBufs.Get().(*[]byte)
 		cc.held = (*cc.heldBox)[:0]
 	}
