@@ -322,9 +322,11 @@ func (a *Agent) tcpMux() http.Handler {
 // configured, the TCP door is closed.
 func (a *Agent) requireToken(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch o := bearer.Authorize(r.Header.Get("Authorization"), a.token); {
-		case a.cfg.Control.Insecure:
+		if a.cfg.Control.Insecure {
 			h.ServeHTTP(w, r)
+			return
+		}
+		switch o := bearer.Authorize(r.Header.Get("Authorization"), a.token); {
 		case a.token == "":
 			a.unauthorized(w, r, "control", bearer.Missing, "encgate: this agent has no control.token_file (or control.token) configured, so its TCP door is closed")
 		case o == bearer.Missing:

@@ -18,16 +18,24 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
-// rawUnix sends one HTTP request over the agent's Unix socket, passing f's
-// descriptor (when f is not nil) with the request's first bytes, as an
-// encoder does for source=fd, and returns the answer.
-func (a *testAgent) rawUnix(t *testing.T, head string, body []byte, f *os.File) reply {
+// dialSocket connects to a's Unix socket as a stager would; the connection
+// is closed at test end (or earlier by the test).
+func (a *testAgent) dialSocket(t *testing.T) *net.UnixConn {
 	t.Helper()
 	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// rawUnix sends one HTTP request over the agent's Unix socket, passing f's
+// descriptor (when f is not nil) with the request's first bytes, as an
+// encoder does for source=fd, and returns the answer.
+func (a *testAgent) rawUnix(t *testing.T, head string, body []byte, f *os.File) reply {
+	t.Helper()
+	c := a.dialSocket(t)
 	var oob []byte
 	if f != nil {
 		oob = syscall.UnixRights(int(f.Fd()))
@@ -204,11 +212,7 @@ func TestDescriptorsNotTakenAreClosed(t *testing.T) {
 	f := memfd(t, 0, make([]byte, 16))
 	// A descriptor passed with a body stage is not used, and not kept for
 	// the connection's next request.
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := a.dialSocket(t)
 	head := "POST /v1/stage?req_id=body&tokens=2&dim=2&dtype=float32 HTTP/1.1\r\nHost: agent\r\nContent-Length: 16\r\n\r\n"
 	if _, _, err := c.WriteMsgUnix(append([]byte(head), make([]byte, 16)...), syscall.UnixRights(int(f.Fd())), nil); err != nil {
 		t.Fatal(err)
@@ -233,11 +237,7 @@ func TestStalledStagesAreReleased(t *testing.T) {
 	const gib = 1 << 30
 	var conns []*net.UnixConn
 	for i := range 4 {
-		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
+		c := a.dialSocket(t)
 		head := fmt.Sprintf("POST /v1/stage?req_id=stall-%d&tokens=%d&dim=1024&dtype=bfloat16 HTTP/1.1\r\nHost: agent\r\nContent-Length: %d\r\n\r\n0123456789",
 			i, gib/2048, gib)
 		if _, err := io.WriteString(c, head); err != nil {
@@ -274,11 +274,7 @@ func TestConcurrentStagesAreBounded(t *testing.T) {
 	a := startAgent(t, func(c *Config) { c.Staging.MaxConcurrent = 2 }, nil, func(a *Agent) { a.reserved = func(id string) { reserved <- id } })
 	var conns []*net.UnixConn
 	for i := range 2 {
-		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
+		c := a.dialSocket(t)
 		if _, err := fmt.Fprintf(c, "POST /v1/stage?req_id=slow-%d&tokens=1&dim=4&dtype=float32 HTTP/1.1\r\nHost: agent\r\nContent-Length: 16\r\n\r\n", i); err != nil {
 			t.Fatal(err)
 		}
@@ -304,10 +300,7 @@ func TestConcurrentStagesAreBounded(t *testing.T) {
 func TestStageConnectionClosedMidBody(t *testing.T) {
 	reserved := make(chan string, 1)
 	a := startAgent(t, nil, nil, func(a *Agent) { a.reserved = func(id string) { reserved <- id } })
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := a.dialSocket(t)
 	if _, err := io.WriteString(c, "POST /v1/stage?req_id=gone&tokens=256&dim=1024&dtype=float32 HTTP/1.1\r\nHost: agent\r\nContent-Length: 1048576\r\n\r\nabc"); err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,6 @@ import (
 	"encoding/base64"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -422,10 +421,7 @@ func TestPythonHelperReportsBusy(t *testing.T) {
 	a := startAgent(t, func(c *Config) { c.Staging.MaxConcurrent = 1 }, nil,
 		func(a *Agent) { a.reserved = func(id string) { reserved <- id } })
 	// A stage whose body stalls holds the only slot.
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: a.SocketPath(), Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := a.dialSocket(t)
 	if _, err := io.WriteString(c, "POST /v1/stage?req_id=stall&tokens=1&dim=512&dtype=float32 HTTP/1.1\r\nHost: agent\r\nContent-Length: 2048\r\n\r\n0123"); err != nil {
 		t.Fatal(err)
 	}
