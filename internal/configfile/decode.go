@@ -221,6 +221,9 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) bool {
 	switch n.Kind {
 	case yaml.ScalarNode:
 		if null {
+			if n.Tag != "" && !d.nullValue(n, path) {
+				return false
+			}
 			return setNull(v)
 		}
 		return d.delegate(n, v, path)
@@ -234,6 +237,17 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) bool {
 
 func isUnmarshaler(t reflect.Type) bool {
 	return t.Implements(unmarshalerType) || t.Implements(obsoleteType)
+}
+
+// nullValue reports whether a scalar tagged !!null explicitly has a null's
+// spelling, as yaml.v3 asks ("!!null 0" is refused, not read as null).
+func (d *decoder) nullValue(n *yaml.Node, path string) bool {
+	var probe any
+	if err := n.Decode(&probe); err != nil {
+		d.addf(n, path, "%s", errText(err))
+		return false
+	}
+	return true
 }
 
 // setNull is yaml.v3's null: the zero value for what can be nil.
