@@ -38,6 +38,8 @@
 #   KEEP_TMP     1 keeps the temporary directory (configs, logs, heap
 #                profiles)                                           [0]
 #   QUIET_WAIT   seconds to wait for a quiet machine before each proxy [15]
+#   PROXIES      which proxies to run, in order  [encgate nginx haproxy]
+#                (a subset is for iterating; the table's ratios need all)
 # A default run takes about a minute after the build.
 # Traffic goes only to 127.0.0.1. Every process the script starts is stopped
 # on exit (trap), and it checks that none of its ports is left listening.
@@ -265,7 +267,7 @@ measure() { # proxy round
   log "$px round $r: RSS $before kB -> $after kB with $held held: $(tail -1 "$RAW" | cut -f5) B per pull; $line"
 }
 
-PROXIES=(encgate nginx haproxy)
+read -r -a PROXIES <<<"${PROXIES:-encgate nginx haproxy}"
 for ((round = 1; round <= ROUNDS; round++)); do
   for px in "${PROXIES[@]}"; do measure "$px" "$round"; done
 done
@@ -288,7 +290,7 @@ table=$TMP/table.md
       "$(mib "$(col "$px" 4 | bench_median)")" "$ans"
   done
   echo
-  ratio() { awk -v a="${BPP[encgate]}" -v b="${BPP[$1]}" 'BEGIN { if (b <= 0) print "n/a"; else printf "%.2f", a / b }'; }
+  ratio() { awk -v a="${BPP[encgate]:-0}" -v b="${BPP[$1]:-0}" 'BEGIN { if (b <= 0) print "n/a"; else printf "%.2f", a / b }'; }
   echo "- encgate / nginx, bytes per held pull: $(ratio nginx)"
   echo "- encgate / HAProxy, bytes per held pull: $(ratio haproxy)"
   ((ROUNDS == 1)) || echo "- per round, bytes per held pull: $(for px in "${PROXIES[@]}"; do printf '%s %s; ' "$px" "$(col "$px" 5 | paste -sd,)"; done)"

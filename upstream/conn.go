@@ -149,3 +149,10 @@ func (c *probedConn) peek(fd uintptr) {
 		return
 	}
 }
+
+// Await passes on the wrapped connection's Await (awaitTransport).
+func (c *probedConn) Await() {
+	if a, ok := c.Conn.(awaiter); ok {
+		a.Await()
+	}
+}

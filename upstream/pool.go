@@ -447,6 +447,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 		RetryIfErr:               func(*fasthttp.Request, int, error) (bool, bool) { return false, false },
 		NoDefaultUserAgentHeader: true,
 		DisablePathNormalizing:   true,
+		Transport:                awaitTransport{},
 		Dial: func(addr string) (net.Conn, error) {
 			c, err := dialAside(dialer, addr)
 			if err != nil {

@@ -51,6 +51,13 @@ type Conn struct {
 	aheadBox *[]byte
 	aheadFn  func(fd uintptr) bool
 
+	// Client: what Await found that is not bytes (an error, EOF), kept for
+	// the next Read to return as it would have found it itself.
+	awaited error
+	// recvFn is what sendThenRead reads with once the request is out:
+	// readFn for a Read, aheadFn for an Await.
+	recvFn func(fd uintptr) bool
+
 	// What left since the last answer: bytes put on the wire by writes since
 	// a read last returned bytes, and whether a write failed since. Unsent
 	// reads them; only the goroutine using the connection touches them.
@@ -111,6 +118,7 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	}
 	cc.readFn = cc.read
 	cc.aheadFn = cc.readAhead
+	cc.recvFn = cc.readFn
 	cc.sendFn = cc.sendThenRead
 	cc.writeFn = cc.write
 	cc.tryFn = cc.tryWrite
@@ -199,7 +207,31 @@ func (c *Conn) Read(p []byte) (int, error) {
 		}
 		return n, nil
 	}
-	return c.readRaw(p)
+	if err := c.awaited; err != nil {
+		c.awaited = nil
+		return 0, err
+	}
+	return c.readRaw(p, len(p) < minDirectRead && !c.hold)
+}
+
+// Await sends a held request and waits for the first bytes of its answer
+// without a caller's buffer: they are read into a pooled buffer, taken only
+// once the socket has them, that the next Reads drain. So a caller that
+// would otherwise wait inside Read on a buffer of its own (an HTTP client's
+// response reader) can take that buffer after Await returns, and holds none
+// while the peer takes its time: a pull the encoder holds for minutes costs
+// no read buffer. What a Read would have returned instead of bytes (an
+// error, EOF, a deadline passing) is kept and returned by the next Read, so
+// Await followed by Read is the same exchange as Read alone, Unsent
+// included. Await returns at once when bytes or an outcome are already
+// waiting.
+func (c *Conn) Await() {
+	if len(c.ahead) > 0 || c.awaited != nil {
+		return
+	}
+	if _, err := c.readRaw(nil, true); err != nil {
+		c.awaited = err
+	}
 }
 
 // minDirectRead is the smallest server Read that reads into the caller's
@@ -217,9 +249,10 @@ func (c *Conn) releaseAhead() {
 	}
 }
 
-// readAhead is the RawConn callback of a small server read: it reads into
-// a buffer taken from the pool for the attempt and given back when the
-// socket has nothing (false: wait), so none is held while waiting.
+// readAhead is the RawConn callback of a small server read and of a
+// client's Await: it reads into a buffer taken from the pool for the
+// attempt and given back when the socket has nothing (false: wait), so none
+// is held while waiting.
 func (c *Conn) readAhead(fd uintptr) bool {
 	box := aheadBufs.Get().(*[]byte)
 	for {
@@ -250,19 +283,22 @@ func (c *Conn) readAhead(fd uintptr) bool {
 	}
 }
 
-// readRaw reads from the socket (sending a held request first).
-func (c *Conn) readRaw(p []byte) (int, error) {
+// readRaw reads from the socket (sending a held request first), into p
+// directly or, when ahead is set, through a pooled read-ahead buffer.
+func (c *Conn) readRaw(p []byte, ahead bool) (int, error) {
 	if err := c.beginRead(); err != nil {
 		c.endRead()
 		return 0, c.opError("read", err)
 	}
 	c.buf, c.n, c.err, c.sent = p, 0, nil, false
 	fn := c.readFn
-	switch {
-	case len(c.held) > 0:
-		fn = c.sendFn
-	case !c.hold && len(p) < minDirectRead:
+	c.recvFn = c.readFn
+	if ahead {
 		fn = c.aheadFn
+		c.recvFn = c.aheadFn
+	}
+	if len(c.held) > 0 {
+		fn = c.sendFn
 	}
 	rerr := c.rc.Read(fn)
 	c.endRead()
@@ -274,7 +310,7 @@ func (c *Conn) readRaw(p []byte) (int, error) {
 		if werr := c.flush(); werr != nil {
 			return 0, werr
 		}
-		return c.readRaw(p)
+		return c.readRaw(p, ahead)
 	}
 	if rerr != nil {
 		return 0, c.opError("read", rerr)
@@ -314,7 +350,7 @@ func (c *Conn) read(fd uintptr) bool {
 // held bytes it returns true with them still held (Read finishes the send).
 func (c *Conn) sendThenRead(fd uintptr) bool {
 	if c.sent {
-		return c.read(fd)
+		return c.recvFn(fd)
 	}
 	c.sent = true
 	off := 0

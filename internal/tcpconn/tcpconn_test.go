@@ -541,3 +541,135 @@ func TestServerWriteToHandsOverWhatWasReadAhead(t *testing.T) {
 		t.Fatalf("WriteTo gave %q", out.String())
 	}
 }
+
+// exchangeOutcome is what a caller of a client Conn saw of one exchange.
+type exchangeOutcome struct {
+	data    string
+	err     string
+	timeout bool
+	unsent  bool
+}
+
+// Await followed by Reads is the same exchange as Reads alone, whatever
+// the peer does: answers (small, or larger than the read-ahead buffer),
+// closes, resets before or after reading the request, or never answers
+// before the deadline.
+func TestAwaitThenReadIsTheSameExchangeAsRead(t *testing.T) {
+	const req = "POST /send HTTP/1.1\r\n\r\n"
+	big := strings.Repeat("b", 6000) // more than the 4 KiB read-ahead buffer
+	peers := map[string]func(t *testing.T, peer net.Conn){
+		"answers": func(t *testing.T, peer net.Conn) { <-answer(t, peer, len(req), "HTTP/1.1 200 OK\r\n\r\n") },
+		"answers more than a buffer": func(t *testing.T, peer net.Conn) {
+			_, _ = io.ReadFull(peer, make([]byte, len(req)))
+			_, _ = peer.Write([]byte(big))
+			peer.Close()
+		},
+		"closes after reading": func(t *testing.T, peer net.Conn) {
+			_, _ = io.ReadFull(peer, make([]byte, len(req)))
+			peer.Close()
+		},
+		"resets after reading": func(t *testing.T, peer net.Conn) {
+			_, _ = io.ReadFull(peer, make([]byte, len(req)))
+			_ = peer.(*net.TCPConn).SetLinger(0)
+			peer.Close()
+		},
+		"never answers": func(t *testing.T, peer net.Conn) {},
+	}
+	run := func(t *testing.T, name string, await bool) exchangeOutcome {
+		c, peer := pair(t, Client)
+		_ = c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+		if _, err := c.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		go func() { defer close(done); peers[name](t, peer) }()
+		if await {
+			c.(*Conn).Await()
+		}
+		var out exchangeOutcome
+		buf := make([]byte, 1000)
+		var data []byte
+		for len(data) < len(big) {
+			n, err := c.Read(buf)
+			data = append(data, buf[:n]...)
+			if err != nil {
+				var ne net.Error
+				out.err, out.timeout = err.Error(), errors.As(err, &ne) && ne.Timeout()
+				out.err = strings.ReplaceAll(out.err, c.LocalAddr().String(), "LOCAL")
+				out.err = strings.ReplaceAll(out.err, c.RemoteAddr().String(), "REMOTE")
+				break
+			}
+			if name == "answers" {
+				break
+			}
+		}
+		<-done
+		out.data, out.unsent = string(data), c.(*Conn).Unsent()
+		return out
+	}
+	for name := range peers {
+		t.Run(name, func(t *testing.T) {
+			want, got := run(t, name, false), run(t, name, true)
+			if got != want {
+				t.Fatalf("with Await: %+v\nRead alone: %+v", got, want)
+			}
+		})
+	}
+	t.Run("reset before the request", func(t *testing.T) {
+		for _, await := range []bool{false, true} {
+			c, peer := pair(t, Client)
+			_ = peer.(*net.TCPConn).SetLinger(0)
+			peer.Close()
+			waitReset(t, c)
+			if _, err := c.Write([]byte(req)); err != nil {
+				t.Fatal(err)
+			}
+			if await {
+				c.(*Conn).Await()
+			}
+			if _, err := c.Read(make([]byte, 8)); err == nil || !strings.Contains(err.Error(), "write") {
+				t.Fatalf("await %v: Read error %v, want the failed write", await, err)
+			}
+			if !c.(*Conn).Unsent() {
+				t.Fatalf("await %v: Unsent = false for a request that failed at its first byte", await)
+			}
+		}
+	})
+}
+
+// Await waits without a buffer: while it waits, none of the read-ahead
+// pool's is taken, and what it read is handed over by the next Read.
+func TestAwaitTakesNoBufferWhileWaiting(t *testing.T) {
+	c, peer := pair(t, Client)
+	cc := c.(*Conn)
+	if _, err := c.Write([]byte("GET / HTTP/1.1\r\n\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	if cc.heldBox == nil {
+		t.Fatal("no held buffer before the send")
+	}
+	awaited := make(chan struct{})
+	go func() { defer close(awaited); cc.Await() }()
+	// The request arrives: Await sent it, gave the held buffer back and is
+	// now waiting, with no read-ahead buffer (readAhead takes one only
+	// when the socket has bytes).
+	if _, err := io.ReadFull(peer, make([]byte, len("GET / HTTP/1.1\r\n\r\n"))); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = peer.Write([]byte("HTTP/1.1 204 No Content\r\n\r\n"))
+	<-awaited
+	if cc.heldBox != nil {
+		t.Fatal("the held buffer is still taken after the send")
+	}
+	if cc.aheadBox == nil || string(cc.ahead) != "HTTP/1.1 204 No Content\r\n\r\n" {
+		t.Fatalf("ahead = %q, want the answer read ahead", cc.ahead)
+	}
+	buf := make([]byte, 64)
+	n, err := c.Read(buf)
+	if err != nil || string(buf[:n]) != "HTTP/1.1 204 No Content\r\n\r\n" {
+		t.Fatalf("Read = %q, %v", buf[:n], err)
+	}
+	if cc.aheadBox != nil {
+		t.Fatal("the read-ahead buffer is kept after its bytes were read")
+	}
+}
