@@ -87,6 +87,12 @@ type ClientConfig struct {
 	MaxConnsPerEncoder int `yaml:"max_conns_per_encoder"`
 	// MaxResponseBytes bounds an encoder's response body (default 64MiB).
 	MaxResponseBytes configfile.ByteSize `yaml:"max_response_bytes"`
+	// MaxDialsPerEncoder bounds connects in progress to one encoder (default
+	// 32); more wait for one to finish, within connect_timeout. A connect
+	// runs on a goroutine of its own whose stack grows to 8 KiB, and a burst
+	// of new connections (thousands of pulls at once) would otherwise leave
+	// that much per connection resident after the burst.
+	MaxDialsPerEncoder int `yaml:"max_dials_per_encoder"`
 }
 
 // DefaultAffinity returns the affinity defaults.
@@ -106,6 +112,7 @@ func DefaultClient() ClientConfig {
 		IdleConnTimeout:    configfile.Duration(4e9),
 		MaxConnsPerEncoder: 1024,
 		MaxResponseBytes:   64 << 20,
+		MaxDialsPerEncoder: 32,
 	}
 }
 
@@ -190,6 +197,9 @@ func (c ClientConfig) Validate(p *configfile.Problems, path string) {
 	p.Positive(path+".idle_conn_timeout", c.IdleConnTimeout)
 	if c.MaxConnsPerEncoder < 1 {
 		p.Addf(path+".max_conns_per_encoder", "must be >= 1, got %d", c.MaxConnsPerEncoder)
+	}
+	if c.MaxDialsPerEncoder < 1 {
+		p.Addf(path+".max_dials_per_encoder", "must be >= 1, got %d", c.MaxDialsPerEncoder)
 	}
 	if c.MaxResponseBytes < 1024 {
 		p.Addf(path+".max_response_bytes", "must be >= 1KiB, got %s", c.MaxResponseBytes)

@@ -397,7 +397,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 	// Probes get their own small pool: an encoder whose traffic connections
 	// are all busy must not fail its health check for want of one.
 	probeClient := newClient(ec.Name, u, ClientConfig{ConnectTimeout: set.Client.ConnectTimeout,
-		IdleConnTimeout: set.Client.IdleConnTimeout, MaxConnsPerEncoder: 2, MaxResponseBytes: 64 << 10})
+		IdleConnTimeout: set.Client.IdleConnTimeout, MaxConnsPerEncoder: 2, MaxDialsPerEncoder: 2, MaxResponseBytes: 64 << 10})
 	e.probes = probeClient
 	if ec.Agent != "" {
 		au, err := url.Parse(ec.Agent)
@@ -433,7 +433,7 @@ func encoderID(ec EncoderConfig) uint64 {
 }
 
 func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
-	dialer := &net.Dialer{Timeout: cc.ConnectTimeout.D(), KeepAlive: 30 * time.Second}
+	dialer := newDialer(cc)
 	return &fasthttp.HostClient{
 		Addr:                      u.Host,
 		IsTLS:                     u.Scheme == "https",
@@ -449,7 +449,7 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 		DisablePathNormalizing:   true,
 		Transport:                awaitTransport{},
 		Dial: func(addr string) (net.Conn, error) {
-			c, err := dialAside(dialer, addr)
+			c, err := dialer.dial(addr)
 			if err != nil {
 				return nil, &DialError{Encoder: name, Err: err}
 			}
@@ -458,22 +458,63 @@ func newClient(name string, u *url.URL, cc ClientConfig) *fasthttp.HostClient {
 	}
 }
 
-// dialAside dials on a goroutine of its own, wraps the connection there
-// (TCP_NODELAY, tcpconn, the stale probe) and waits for it. The dial runs
-// deep in the resolver and the socket calls; done on the exchange's
-// goroutine, near the bottom of a request's call chain, it would touch
-// stack pages that a request held at the encoder (a pull, up to 180 s)
-// then keeps the whole time. A dial is rare (connections are kept alive),
-// so its goroutine costs little; the held requests' memory is what
-// bench/held.sh counts.
-func dialAside(d *net.Dialer, addr string) (net.Conn, error) {
+// dialer connects to one encoder. Each connect runs on a goroutine of its
+// own, which also wraps the connection (TCP_NODELAY, tcpconn, the stale
+// probe): the dial runs deep in the resolver and the socket calls, and done
+// on the exchange's goroutine, near the bottom of a request's call chain,
+// it would grow that goroutine's stack for as long as the request is held
+// at the encoder (a pull, up to 180 s). At most max_dials_per_encoder run
+// at once: a dial goroutine's stack grows to 8 KiB, and a burst of
+// thousands of new connections (pulls arriving together) would otherwise
+// leave that much per connection in freed stacks the runtime keeps
+// resident. Waiting for a turn counts against connect_timeout, with the
+// dial itself.
+type dialer struct {
+	net   net.Dialer
+	turns chan struct{}
+}
+
+func newDialer(cc ClientConfig) *dialer {
+	return &dialer{
+		net:   net.Dialer{Timeout: cc.ConnectTimeout.D(), KeepAlive: 30 * time.Second},
+		turns: make(chan struct{}, cc.MaxDialsPerEncoder),
+	}
+}
+
+// errDialQueue is a dial that found every turn taken for the whole
+// connect timeout.
+var errDialQueue = errors.New("connect timeout passed waiting for one of the connects in progress to finish (upstream.max_dials_per_encoder)")
+
+type dialQueueError struct{}
+
+func (dialQueueError) Error() string   { return errDialQueue.Error() }
+func (dialQueueError) Timeout() bool   { return true }
+func (dialQueueError) Temporary() bool { return true }
+func (dialQueueError) Unwrap() error   { return errDialQueue }
+
+func (d *dialer) dial(addr string) (net.Conn, error) {
+	nd := d.net
+	select {
+	case d.turns <- struct{}{}:
+	default:
+		start := time.Now()
+		t := time.NewTimer(nd.Timeout)
+		select {
+		case d.turns <- struct{}{}:
+			t.Stop()
+			nd.Deadline = start.Add(nd.Timeout)
+		case <-t.C:
+			return nil, dialQueueError{}
+		}
+	}
+	defer func() { <-d.turns }()
 	type dialed struct {
 		c   net.Conn
 		err error
 	}
 	ch := make(chan dialed, 1)
 	go func() {
-		c, err := d.Dial("tcp", addr)
+		c, err := nd.Dial("tcp", addr)
 		if err == nil {
 			if tc, ok := c.(*net.TCPConn); ok {
 				_ = tc.SetNoDelay(true)

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/encgate/encgate/internal/configfile"
 )
 
 // recordingConn is one end of a pipe that records the order of the
@@ -96,5 +98,52 @@ func TestTransportDeadlineIsATimeout(t *testing.T) {
 	}
 	if !errors.Is(err, fasthttp.ErrTimeout) {
 		t.Fatalf("err = %v, want fasthttp.ErrTimeout", err)
+	}
+}
+
+// A dial that finds every turn taken waits for one within the connect
+// timeout, then fails as a timeout that says why; with a turn free it
+// connects.
+func TestDialWaitsForATurnWithinTheConnectTimeout(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	cc := DefaultClient()
+	cc.ConnectTimeout, cc.MaxDialsPerEncoder = configfile.Duration(20*time.Millisecond), 1
+	d := newDialer(cc)
+	d.turns <- struct{}{} // a dial in progress holds the only turn
+	_, err = d.dial(ln.Addr().String())
+	var ne net.Error
+	if !errors.Is(err, errDialQueue) || !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("dial with no turn free: %v; want a timeout wrapping errDialQueue", err)
+	}
+	if !strings.Contains(err.Error(), "upstream.max_dials_per_encoder") {
+		t.Fatalf("the error does not name the setting: %v", err)
+	}
+	released := make(chan error, 1)
+	go func() {
+		c, err := d.dial(ln.Addr().String())
+		if err == nil {
+			c.Close()
+		}
+		released <- err
+	}()
+	<-d.turns // the dial in progress ends: the waiting one gets the turn
+	if err := <-released; err != nil {
+		t.Fatalf("dial after a turn was freed: %v", err)
+	}
+	if len(d.turns) != 0 {
+		t.Fatalf("%d turns still taken after every dial ended", len(d.turns))
 	}
 }
