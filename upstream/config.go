@@ -34,7 +34,30 @@ type EncoderConfig struct {
 	// registered URLs; answered at once from the remembered failure for a
 	// new one, which would hold it.
 	Generation Generation `yaml:"generation,omitempty"`
+
+	// What the gateway's fleet sets, never the file:
+
+	// Source is where the encoder came from: SourceStatic (the config
+	// file), SourceRegistered (sglang's bootstrap API) or SourceDNS.
+	Source string `yaml:"-"`
+	// Draining: the encoder left its source. It gets no new work (no
+	// /encode is placed on it, no unpinned call is routed to it) while the
+	// follow-ups of req_ids pinned to it still reach it; the fleet drops it
+	// once none is pinned to it (PinTable.Count).
+	Draining bool `yaml:"-"`
+	// Joining: the encoder was discovered, not configured. It starts out of
+	// service and joins rendezvous once it passes health.up_after probes in
+	// a row, the first at once, as an encoder coming back up does. A
+	// configured encoder starts in service.
+	Joining bool `yaml:"-"`
 }
+
+// Encoder sources (EncoderConfig.Source).
+const (
+	SourceStatic     = "static"
+	SourceRegistered = "registered"
+	SourceDNS        = "dns"
+)
 
 // Generation is an sglang encoder generation.
 type Generation string

@@ -150,8 +150,10 @@ type Health struct {
 	log      *zap.Logger
 
 	up   atomic.Bool
-	mu   sync.Mutex // protects snap
+	mu   sync.Mutex // protects snap and probeAtOnce
 	snap HealthSnapshot
+	// probeAtOnce: the first probe comes as Run starts (startDown).
+	probeAtOnce bool
 }
 
 // NewHealth returns the checker of the encoder called name. It starts up:
@@ -169,13 +171,34 @@ func NewHealth(name string, cfg HealthConfig, probe Prober, clk clock.Clock, onC
 	return h
 }
 
+// startDown makes a checker that has not run yet start out of service, and
+// its first probe come at once: a discovered encoder joins after UpAfter
+// passed probes, as one coming back up does. With checks disabled it stays
+// up (nothing would ever bring it back).
+func (h *Health) startDown() {
+	if h.cfg.Disabled {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.up.Store(false)
+	h.snap.Up = false
+	h.probeAtOnce = true
+}
+
 // Run probes every Interval until ctx ends; the first probe comes one
-// Interval after the start. It returns at once when checks are disabled.
-// A panicking prober counts as a failed probe; a panicking callback is
-// logged; neither stops the loop.
+// Interval after the start (at once for a checker that starts down). It
+// returns at once when checks are disabled. A panicking prober counts as a
+// failed probe; a panicking callback is logged; neither stops the loop.
 func (h *Health) Run(ctx context.Context) {
 	if h.cfg.Disabled {
 		return
+	}
+	h.mu.Lock()
+	atOnce := h.probeAtOnce
+	h.mu.Unlock()
+	if atOnce {
+		h.check(ctx)
 	}
 	for {
 		t := h.clk.NewTimer(h.cfg.Interval.D())

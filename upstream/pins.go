@@ -348,3 +348,26 @@ func (t *PinTable) CountByEncoder() map[string]int {
 	}
 	return out
 }
+
+// Holding counts, for each encoder identity in ids, the live pins that still
+// need that encoder: pending or encoded ones (a failed pin is answered from
+// the table, without the encoder). It walks the whole table, so it is for
+// the fleet's drain check, which calls it only while an encoder drains.
+func (t *PinTable) Holding(ids map[uint64]int) {
+	if len(ids) == 0 {
+		return
+	}
+	now := t.clk.Now().UnixNano()
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for _, e := range s.m {
+			if e.expires > now && !e.pin.Failed() && e.pin.Encoder != "" {
+				if n, ok := ids[e.pin.EncoderID]; ok {
+					ids[e.pin.EncoderID] = n + 1
+				}
+			}
+		}
+		s.mu.Unlock()
+	}
+}

@@ -51,6 +51,9 @@ type Encoder struct {
 	requests atomic.Uint64
 	forced   atomic.Int32 // tests and the demo: 0 normal, 1 forced usable, 2 forced unusable
 
+	source   atomic.Pointer[string] // EncoderConfig.Source, as the fleet last said (changed in place)
+	draining atomic.Bool            // EncoderConfig.Draining, likewise
+
 	gen       atomic.Uint32         // Generation, as the config last said (a reload changes it in place)
 	warnedGen atomic.Bool           // the GEN0-shaped /encode warning was logged
 	outcomes  [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
@@ -67,6 +70,30 @@ type Encoder struct {
 
 // ID identifies e's name and URL; pins record it (PinTable.Set).
 func (e *Encoder) ID() uint64 { return e.id }
+
+// Source returns where e came from (SourceStatic, SourceRegistered,
+// SourceDNS).
+func (e *Encoder) Source() string {
+	if s := e.source.Load(); s != nil {
+		return *s
+	}
+	return SourceStatic
+}
+
+// Draining reports whether e left its source: no new work goes to it, and
+// the pins it holds are still followed.
+func (e *Encoder) Draining() bool { return e.draining.Load() }
+
+func (e *Encoder) setMembership(ec EncoderConfig) {
+	src := ec.Source
+	if src == "" {
+		src = SourceStatic
+	}
+	if cur := e.source.Load(); cur == nil || *cur != src {
+		e.source.Store(&src)
+	}
+	e.draining.Store(ec.Draining)
+}
 
 // Inflight returns the number of exchanges in progress with e.
 func (e *Encoder) Inflight() int64 { return e.inflight.Load() }
@@ -390,6 +417,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), id: encoderID(ec),
 		maxInflight: &p.maxInflight}
 	e.gen.Store(ec.Generation.index())
+	e.setMembership(ec)
 	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
 	e.outcomes = p.m.outcomeCounters(ec.Name)
 	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
@@ -410,6 +438,9 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
 	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
 		func(err error) { p.probeResult(e, err) }, p.log)
+	if ec.Joining {
+		e.Health.startDown()
+	}
 	p.m.track(e)
 	ctx, cancel := context.WithCancel(context.Background())
 	e.stop, e.stopped = cancel, make(chan struct{})
@@ -571,7 +602,7 @@ func (p *Pool) Ranked(reqID string, dst []*Encoder) []*Encoder {
 	var buf [16]*Encoder
 	usable := buf[:0]
 	for _, e := range p.Encoders() {
-		if e.Usable() {
+		if e.Usable() && !e.Draining() {
 			usable = append(usable, e)
 		}
 	}
@@ -591,10 +622,11 @@ func (p *Pool) Owner(reqID string) (*Encoder, error) {
 	return r[0], nil
 }
 
-// AnyUsable reports whether at least one encoder is usable.
+// AnyUsable reports whether at least one encoder can take new work: usable
+// and not draining.
 func (p *Pool) AnyUsable() bool {
 	for _, e := range p.Encoders() {
-		if e.Usable() {
+		if e.Usable() && !e.Draining() {
 			return true
 		}
 	}
@@ -665,6 +697,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 	for _, i := range kept {
 		ec, e := set.Encoders[i], next.byName[set.Encoders[i].Name]
 		e.gen.Store(ec.Generation.index())
+		e.setMembership(ec)
 		if e.agent != nil { // the same agent URL: encoderID covers it
 			e.agent.setToken(tokens[i])
 		}
@@ -734,4 +767,29 @@ func (p *Pool) Close() {
 	p.cancel()
 	<-p.done
 	p.stopAll(p.Encoders())
+}
+
+// Drained returns the draining encoders that no longer hold anything: no
+// live pin needs them and no exchange is in flight with them. The fleet
+// drops these at its next apply.
+func (p *Pool) Drained() []string {
+	ids := map[uint64]int{}
+	var draining []*Encoder
+	for _, e := range p.Encoders() {
+		if e.Draining() {
+			ids[e.id] = 0
+			draining = append(draining, e)
+		}
+	}
+	if len(draining) == 0 {
+		return nil
+	}
+	p.Pins.Holding(ids)
+	var out []string
+	for _, e := range draining {
+		if ids[e.id] == 0 && e.Inflight() == 0 {
+			out = append(out, e.Name)
+		}
+	}
+	return out
 }
