@@ -37,7 +37,7 @@ const usage = `encgate — a gateway for fleets of sglang multimodal encoders
 usage:
   encgate gateway --config FILE [--check]
   encgate agent --config FILE [--check]
-  encgate fake-encoder --listen ADDR [--name N] [--mode mooncake|zmq] [fault flags]
+  encgate fake-encoder --listen ADDR [--name N] [--mode mooncake|zmq] [--register-url URL ...] [--cache-items N] [fault flags]
   encgate demo
   encgate version
 `
@@ -288,9 +288,33 @@ func runFakeEncoder(args []string, stderr io.Writer) int {
 		return 1
 	}
 	fmt.Fprintf(stderr, "fake encoder %q listening on %s\n", opts.Name, enc.URL())
+	// Start began registering with every --register-url; say how that went
+	// once each loop has registered or given up.
+	stopReport := make(chan struct{})
+	reported := make(chan struct{})
+	go func() {
+		defer close(reported)
+		if len(opts.RegisterURLs) == 0 {
+			return
+		}
+		select {
+		case <-enc.RegistrationDone():
+			s := enc.Stats()
+			fmt.Fprintf(stderr, "fake encoder %q registered with %d of %d bootstrap servers (%d attempts)\n",
+				opts.Name, s.RegistrationsOK, len(opts.RegisterURLs), s.RegistrationAttempts)
+		case <-stopReport:
+		}
+	}()
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	<-sigs
+	close(stopReport)
+	<-reported
+	// Leave the fleets while still serving, as sglang's encoder does at
+	// exit; a bootstrap server that is gone is worth a line, not a failure.
+	if err := enc.Unregister(context.Background()); err != nil {
+		fmt.Fprintln(stderr, "fake-encoder:", err)
+	}
 	if err := enc.Close(); err != nil {
 		fmt.Fprintln(stderr, "fake-encoder:", err)
 		return 1

@@ -115,8 +115,9 @@ func itemCount(items *fastjson.Value) int {
 }
 
 // handleEncode answers POST /encode: validate, create the request state,
-// publish metadata after MetadataDelay, encode for EncodeLatency, then answer
-// per Mode. GEN0 is handled by encodeGen0.
+// publish metadata after MetadataDelay, encode for EncodeLatency (skipped on
+// a media cache hit, Options.CacheItems), then answer per Mode. GEN0 is
+// handled by encodeGen0.
 func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *request) {
 	if !req.requireObject(w) {
 		return
@@ -155,7 +156,12 @@ func (e *Encoder) encode(w http.ResponseWriter, r *http.Request, req *request, f
 		e.publishLocked(id, m)
 		e.mu.Unlock()
 	}
-	if !e.runEncodeHook(ctx, id) || !e.sleep(ctx, RouteEncode, e.opts.EncodeLatency) {
+	key, cached, cacheAfter := e.cacheLookup(req) // Options.CacheItems
+	latency := e.opts.EncodeLatency
+	if cached {
+		latency = 0 // a cache hit runs no model forward
+	}
+	if !e.runEncodeHook(ctx, id) || !e.sleep(ctx, RouteEncode, latency) {
 		e.abortEncode(st, first)
 		return
 	}
@@ -167,6 +173,9 @@ func (e *Encoder) encode(w http.ResponseWriter, r *http.Request, req *request, f
 	if fail != nil {
 		e.failEncode(w, req, st, fail, first)
 		return
+	}
+	if cacheAfter {
+		e.cache.add(key)
 	}
 	e.mu.Lock()
 	e.stageLocked(st, false)

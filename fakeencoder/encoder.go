@@ -140,6 +140,13 @@ const (
 	DefaultElementSize   = 2 // bf16
 	DefaultFailStatus    = http.StatusInternalServerError
 	DefaultFailMessage   = "Internal encoding error: injected fault"
+
+	// sglang's self-registration numbers (--encoder-register-urls,
+	// protocol reference §1.7).
+	DefaultRegistrationInterval  = 5 * time.Second
+	DefaultRegistrationAttempts  = 30
+	DefaultRegistrationTimeout   = 5 * time.Second
+	DefaultUnregistrationTimeout = 2 * time.Second
 )
 
 // Options configures an Encoder. Zero fields take the documented defaults.
@@ -209,6 +216,32 @@ type Options struct {
 	// through and replays them must hand each caller its own). Off by
 	// default: the fake then answers exactly as sglang does.
 	EchoSend bool
+	// RegisterURLs are bootstrap base URLs (an EncoderBootstrapServer,
+	// "http://lang:8997") to self-register with after Start, as sglang's
+	// --encoder-register-urls: see Register and Unregister. Empty (the
+	// default) registers nowhere.
+	RegisterURLs []string
+	// AdvertiseURL is the URL registered with the bootstrap servers. Default
+	// the fake's own URL (URL()), which is what a gateway-less fleet wants;
+	// set it to register a URL in front of the fake instead.
+	AdvertiseURL string
+	// RegistrationInterval is the wait between registration attempts.
+	// Default 5s, as sglang.
+	RegistrationInterval time.Duration
+	// RegistrationAttempts bounds the registration attempts per bootstrap
+	// URL; after that the loop gives up. Default 30, as sglang.
+	RegistrationAttempts int
+	// RegistrationTimeout bounds one registration call. Default 5s, as
+	// sglang. (RegisterTimeout is the /scheduler_receive_url wait.)
+	RegistrationTimeout time.Duration
+	// UnregistrationTimeout bounds one unregistration call. Default 2s, as
+	// sglang.
+	UnregistrationTimeout time.Duration
+	// CacheItems turns on a media cache of up to CacheItems entries, as
+	// sglang's --enable-prefix-mm-cache: an /encode whose mm_items value has
+	// the same raw bytes as a recent successful one skips EncodeLatency
+	// (counted in Stats.CacheHits and CacheMisses). 0, the default, is off.
+	CacheItems int
 	// Faults are the initial faults; change them with SetFaults.
 	Faults Faults
 }
@@ -279,6 +312,8 @@ func (f Faults) clone() Faults {
 type Encoder struct {
 	opts    Options
 	handler http.Handler
+	reg     registrar   // self-registration (register.go)
+	cache   *mediaCache // nil unless Options.CacheItems > 0
 
 	done   chan struct{} // closed by Close
 	cancel context.CancelFunc
@@ -318,12 +353,14 @@ type Encoder struct {
 // starts no goroutine; call Start to serve, or mount Handler.
 func New(opts Options) *Encoder {
 	opts.setDefaults()
+	opts.setRegistrationDefaults()
 	if opts.Generation == Gen0 {
 		opts.RefcountCalls = true // GEN0 counts raw /send calls
 	}
 	if opts.Rand == nil {
 		opts.Rand = rand.New(rand.NewSource(1)).Float64
 	}
+	opts.RegisterURLs = append([]string(nil), opts.RegisterURLs...)
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Encoder{
 		opts:     opts,
@@ -341,6 +378,8 @@ func New(opts Options) *Encoder {
 		waiting:  map[string]int{},
 		stats:    newStatsData(),
 		conns:    map[net.Conn]struct{}{},
+		reg:      registrar{client: newRegistrationClient()},
+		cache:    newMediaCache(opts.CacheItems),
 	}
 	e.handler = http.HandlerFunc(e.serveHTTP)
 	return e
@@ -370,13 +409,40 @@ func (o *Options) setDefaults() {
 	}
 }
 
+// setRegistrationDefaults fills the zero registration fields. New applies
+// it, BindFlags does not: their flags take 0 for sglang's numbers, so that
+// flag-bound Options stay zero where no flag was given.
+func (o *Options) setRegistrationDefaults() {
+	if o.RegistrationInterval <= 0 {
+		o.RegistrationInterval = DefaultRegistrationInterval
+	}
+	if o.RegistrationAttempts <= 0 {
+		o.RegistrationAttempts = DefaultRegistrationAttempts
+	}
+	if o.RegistrationTimeout <= 0 {
+		o.RegistrationTimeout = DefaultRegistrationTimeout
+	}
+	if o.UnregistrationTimeout <= 0 {
+		o.UnregistrationTimeout = DefaultUnregistrationTimeout
+	}
+}
+
 // Handler returns the encoder's HTTP handler, for mounting without Start.
 func (e *Encoder) Handler() http.Handler { return e.handler }
 
 // Start listens on addr (":0" and "127.0.0.1:0" pick a free port) and serves
 // in a goroutine. With Faults.Refuse set it binds, records the address and
-// closes the listener at once.
+// closes the listener at once. Then, with Options.RegisterURLs, it starts
+// registering with them (Register), as sglang does once uvicorn is up.
 func (e *Encoder) Start(addr string) error {
+	if err := e.listen(addr); err != nil {
+		return err
+	}
+	return e.Register()
+}
+
+// listen is Start less the registration.
+func (e *Encoder) listen(addr string) error {
 	e.lnMu.Lock()
 	defer e.lnMu.Unlock()
 	if e.srv != nil {
@@ -500,8 +566,10 @@ func (e *Encoder) relistenLocked() error {
 	return fmt.Errorf("fakeencoder: listening again on %s: %w", addr, err)
 }
 
-// Close stops serving, stops the sweeper and background work, releases every
-// blocked handler and waits for them to return. It is idempotent.
+// Close leaves the fleets (Unregister, while still serving), stops serving,
+// stops the sweeper and background work, releases every blocked handler and
+// waits for them to return. It is idempotent. An unregistration that fails
+// is not its error: sglang ignores those at exit too.
 func (e *Encoder) Close() error {
 	e.mu.Lock()
 	if e.closed {
@@ -510,6 +578,7 @@ func (e *Encoder) Close() error {
 	}
 	e.closed = true
 	e.mu.Unlock()
+	_ = e.Unregister(context.Background()) // each call bounded by UnregistrationTimeout
 	// Close the connections before releasing the blocked handlers, so that a
 	// released handler cannot answer (net/http would send an empty 200).
 	e.lnMu.Lock()
@@ -528,7 +597,8 @@ func (e *Encoder) Close() error {
 
 // BindFlags registers flags for the `encgate fake-encoder` subcommand on fs,
 // writing into o. The flags' defaults are o's current values, with zero
-// fields shown as their defaults.
+// fields shown as their defaults (the registration numbers stay 0, which
+// New reads as sglang's defaults).
 func (o *Options) BindFlags(fs *flag.FlagSet) {
 	o.setDefaults()
 	fs.StringVar(&o.Name, "name", o.Name, "encoder name shown in /_fake/stats")
@@ -544,6 +614,19 @@ func (o *Options) BindFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.TokensPerItem, "tokens-per-item", o.TokensPerItem, "embedding_len per mm_item")
 	fs.IntVar(&o.Dim, "dim", o.Dim, "embedding_dim")
 	fs.IntVar(&o.ElementSize, "element-size", o.ElementSize, "bytes per embedding element")
+	fs.Func("register-url", "bootstrap base `URL` (an sglang EncoderBootstrapServer, e.g. http://127.0.0.1:8997) to self-register with, as --encoder-register-urls; repeatable", func(s string) error {
+		u, err := parseBootstrapURL(s)
+		if err == nil {
+			o.RegisterURLs = append(o.RegisterURLs, u)
+		}
+		return err
+	})
+	fs.StringVar(&o.AdvertiseURL, "advertise-url", o.AdvertiseURL, "`URL` registered with the bootstrap servers (default this fake's own http://host:port)")
+	fs.DurationVar(&o.RegistrationInterval, "registration-interval", o.RegistrationInterval, "wait between registration attempts per bootstrap URL (0 = 5s, as sglang)")
+	fs.IntVar(&o.RegistrationAttempts, "registration-attempts", o.RegistrationAttempts, "registration attempts per bootstrap URL before giving up (0 = 30, as sglang)")
+	fs.DurationVar(&o.RegistrationTimeout, "registration-timeout", o.RegistrationTimeout, "timeout of one POST /register_encoder_url (0 = 5s, as sglang)")
+	fs.DurationVar(&o.UnregistrationTimeout, "unregistration-timeout", o.UnregistrationTimeout, "timeout of one DELETE /unregister_encoder_url at exit (0 = 2s, as sglang)")
+	fs.IntVar(&o.CacheItems, "cache-items", o.CacheItems, "media cache entries, as --enable-prefix-mm-cache: an /encode with the same mm_items bytes as a cached one skips --encode-latency (0 = off)")
 	o.Faults.bindFlags(fs)
 }
 

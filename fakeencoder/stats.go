@@ -43,6 +43,24 @@ type Stats struct {
 	// Waiting counts the handlers blocked right now, per route: metadata,
 	// registration, /send and zmq /encode waits, delays and hangs.
 	Waiting map[string]int `json:"waiting"`
+	// RegistrationAttempts counts the POST /register_encoder_url calls sent
+	// to bootstrap servers (Options.RegisterURLs), every bootstrap and
+	// retry together.
+	RegistrationAttempts int64 `json:"registration_attempts"`
+	// RegistrationsOK counts those answered 200: at most one per bootstrap
+	// URL per join (Register), since a loop stops at its first success.
+	RegistrationsOK int64 `json:"registrations_ok"`
+	// Unregistrations counts the DELETE /unregister_encoder_url calls
+	// answered 200 (Unregister, Close).
+	Unregistrations int64 `json:"unregistrations"`
+	// CacheHits counts the /encodes whose mm_items were in the media cache
+	// (Options.CacheItems) and so skipped EncodeLatency.
+	CacheHits int64 `json:"cache_hits"`
+	// CacheMisses counts the /encodes that looked the media cache up and
+	// did not find their mm_items; each paid EncodeLatency. Both counters
+	// stay 0 with the cache off, and neither counts an /encode that failed
+	// in preprocessing.
+	CacheMisses int64 `json:"cache_misses"`
 }
 
 // statsData holds the counters behind Stats; guarded by Encoder.mu.
@@ -54,6 +72,12 @@ type statsData struct {
 	regs     map[string]int64    // nil until the first registration
 	pushes   map[string][]string // nil until the first push
 	pushErrs map[string]int64    // nil until the first failed push
+
+	regAttempts int64 // Stats.RegistrationAttempts
+	regOK       int64 // Stats.RegistrationsOK
+	unregs      int64 // Stats.Unregistrations
+	cacheHits   int64 // Stats.CacheHits
+	cacheMisses int64 // Stats.CacheMisses
 }
 
 // pushed records one pushed message of kind under key.
@@ -131,6 +155,12 @@ func (e *Encoder) Stats() Stats {
 
 		Registrations: maps.Clone(e.stats.regs),
 		PushFailures:  maps.Clone(e.stats.pushErrs),
+
+		RegistrationAttempts: e.stats.regAttempts,
+		RegistrationsOK:      e.stats.regOK,
+		Unregistrations:      e.stats.unregs,
+		CacheHits:            e.stats.cacheHits,
+		CacheMisses:          e.stats.cacheMisses,
 	}
 	if e.stats.pushes != nil {
 		s.Pushes = make(map[string][]string, len(e.stats.pushes))
