@@ -19,6 +19,28 @@ import (
 	"github.com/encgate/encgate/internal/clock"
 )
 
+// Client returns a client for the configured server with poolSize
+// connections: the store's, and the one the gateway's bootstrap registry
+// shares registrations through.
+func (cfg RedisConfig) Client(poolSize int) *redis.Client {
+	return redis.NewClient(&redis.Options{
+		Addr:                  cfg.Addr,
+		Username:              cfg.Username,
+		Password:              cfg.Password,
+		DB:                    cfg.DB,
+		DialTimeout:           cfg.DialTimeout.D(),
+		ReadTimeout:           cfg.Timeout.D(),
+		WriteTimeout:          cfg.Timeout.D(),
+		ContextTimeoutEnabled: true,
+		PoolSize:              poolSize,
+		// One retry replaces a pooled connection that died with a restart;
+		// every script is safe to repeat (see Claim).
+		MaxRetries:      1,
+		DialerRetries:   1,
+		DisableIdentity: true,
+	})
+}
+
 // Redis is the store that several gateway replicas share. Each Store method
 // is one Lua script, so a step of the protocol is atomic on the server.
 //
@@ -178,22 +200,7 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk cl
 	if maxDests <= 0 {
 		maxDests = DefaultConfig().MaxDestinationsPerReqID
 	}
-	c := redis.NewClient(&redis.Options{
-		Addr:                  cfg.Addr,
-		Username:              cfg.Username,
-		Password:              cfg.Password,
-		DB:                    cfg.DB,
-		DialTimeout:           cfg.DialTimeout.D(),
-		ReadTimeout:           cfg.Timeout.D(),
-		WriteTimeout:          cfg.Timeout.D(),
-		ContextTimeoutEnabled: true,
-		PoolSize:              cfg.PoolSize,
-		// One retry replaces a pooled connection that died with a restart;
-		// every script is safe to repeat (see Claim).
-		MaxRetries:      1,
-		DialerRetries:   1,
-		DisableIdentity: true,
-	})
+	c := cfg.Client(cfg.PoolSize)
 	life, end := context.WithCancel(context.Background())
 	return &Redis{
 		c:         c,

@@ -107,6 +107,35 @@ func Lookup(path []byte) *Route {
 	return RouteUnknown
 }
 
+// MaxFanout bounds the k of a fan-out prefix /p/<k>/.
+const MaxFanout = 1024
+
+// StripFanout returns path without a fan-out prefix "/p/<k>" (k a decimal
+// below MaxFanout, without leading zeros), and path unchanged when it has
+// none. sglang's language server sends one part per modality to each
+// encoder URL it knows and dedupes the URLs, so a gateway it knows as
+// base/p/0 … base/p/7 gets eight-way fan-out; every route is served under
+// each prefix as without it.
+func StripFanout(path []byte) []byte {
+	const pre = "/p/"
+	if len(path) < len(pre)+2 || string(path[:len(pre)]) != pre {
+		return path
+	}
+	rest := path[len(pre):]
+	k, n := 0, 0
+	for n < len(rest) && rest[n] >= '0' && rest[n] <= '9' {
+		k = k*10 + int(rest[n]-'0')
+		n++
+		if k >= MaxFanout {
+			return path
+		}
+	}
+	if n == 0 || n >= len(rest) || rest[n] != '/' || n > 1 && rest[0] == '0' {
+		return path
+	}
+	return rest[n:]
+}
+
 // Labels lists every label value once (RouteUnknown's included), so metrics can
 // exist from the start.
 func Labels() []string {
