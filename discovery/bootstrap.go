@@ -1,0 +1,260 @@
+package discovery
+
+import (
+	"encoding/json"
+	"errors"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/jsonfield"
+)
+
+// BootstrapConfig is the `bootstrap:` section of the gateway config: the
+// gateway's own sglang encoder bootstrap server, where encoders started with
+// --encoder-register-urls register themselves.
+type BootstrapConfig struct {
+	// Listen is the bootstrap server's address, e.g. "0.0.0.0:8997"
+	// (sglang's --encoder-bootstrap-port default). Empty (the default)
+	// turns it off: it takes registrations from anyone who can reach it.
+	Listen string `yaml:"listen"`
+	// MaxEncoders bounds the registered encoders (default 1024), so that
+	// callers cannot grow what the gateway holds and health-checks without
+	// limit; past it a new URL gets a 503 with Retry-After.
+	MaxEncoders int `yaml:"max_encoders"`
+	// TTL is how long a registration lives without a refresh (default 60s).
+	// The gateway refreshes registered encoders that pass health checks, so
+	// only one that stopped answering them (crashed without unregistering)
+	// leaves this long after.
+	TTL configfile.Duration `yaml:"ttl"`
+	// MaxBodyBytes bounds a registration's body (default 4KiB; a real one
+	// is under 100 bytes). The server that serves Handler should use it as
+	// its MaxRequestBodySize too, so larger bodies are refused unread.
+	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes"`
+}
+
+// DefaultBootstrap returns the bootstrap defaults: off, 1024 encoders, a
+// 60 s TTL and 4 KiB bodies.
+func DefaultBootstrap() BootstrapConfig {
+	return BootstrapConfig{
+		MaxEncoders:  1024,
+		TTL:          configfile.Duration(60 * time.Second),
+		MaxBodyBytes: 4 << 10,
+	}
+}
+
+// minBootstrapBody is the smallest max_body_bytes: a registration of a long
+// https URL with a path prefix must still fit.
+const minBootstrapBody = 256
+
+// Validate checks the section; path is its field path.
+func (c BootstrapConfig) Validate(p *configfile.Problems, path string) {
+	if c.Listen != "" {
+		_, port, err := net.SplitHostPort(c.Listen)
+		n, perr := strconv.Atoi(port)
+		if err != nil || perr != nil || n < 0 || n > 65535 {
+			p.Addf(path+".listen", "must be empty (off) or host:port, got %q", c.Listen)
+		}
+	}
+	if c.MaxEncoders < 1 {
+		p.Addf(path+".max_encoders", "must be >= 1, got %d", c.MaxEncoders)
+	}
+	if c.TTL.D() < time.Second {
+		p.Addf(path+".ttl", "must be >= 1s, got %s", c.TTL)
+	}
+	if c.MaxBodyBytes < minBootstrapBody {
+		p.Addf(path+".max_body_bytes", "must be >= %d, got %d", minBootstrapBody, int64(c.MaxBodyBytes))
+	}
+}
+
+// Bootstrap API routes, as sglang's EncoderBootstrapServer serves them.
+const (
+	pathRegister   = "/register_encoder_url"
+	pathUnregister = "/unregister_encoder_url"
+	pathList       = "/list_encoder_urls"
+	pathHealth     = "/health"
+)
+
+// msgMissingURL is sglang's exact answer to a body without a usable url.
+const msgMissingURL = "Missing or empty 'url' field"
+
+// retryAfterFull is the Retry-After of a full registry's 503: sglang's
+// encoder retries its registration every 5 s.
+const retryAfterFull = "5"
+
+var bootstrapURLKey = []string{"url"}
+
+// Handler serves sglang's encoder bootstrap API over r, so that sglang
+// encoders can register with the gateway as they would with a language-only
+// server:
+//
+//   - POST /register_encoder_url {"url": U} registers U; DELETE
+//     /unregister_encoder_url {"url": U} removes it. Both answer 200 "OK"
+//     (text/plain), as sglang does.
+//   - GET /list_encoder_urls answers {"encoder_urls": [...]}, the registered
+//     URLs, sorted; GET /health answers 200 "OK".
+//
+// Errors are JSON {"error": ...}: 400 for a body without a usable url
+// (sglang's own message), malformed JSON or an invalid URL; 413 for a body
+// over max_body_bytes; 503 when the registry is full (with Retry-After: 5,
+// sglang's retry interval) or the store is unavailable; 404 and 405 (with
+// Allow) for other paths and methods. Registrations and unregistrations are
+// logged at info with the normalised URL.
+func (r *Registry) Handler(log *zap.Logger) fasthttp.RequestHandler {
+	h := &bootstrapHandler{r: r, log: log}
+	return h.serve
+}
+
+// bootstrapHandler is Handler's state.
+type bootstrapHandler struct {
+	r   *Registry
+	log *zap.Logger
+}
+
+func (h *bootstrapHandler) serve(ctx *fasthttp.RequestCtx) {
+	var method string
+	switch string(ctx.Path()) {
+	case pathRegister:
+		method = fasthttp.MethodPost
+	case pathUnregister:
+		method = fasthttp.MethodDelete
+	case pathList, pathHealth:
+		method = fasthttp.MethodGet
+	default:
+		bootstrapError(ctx, fasthttp.StatusNotFound, "not found: the bootstrap API serves "+
+			pathRegister+", "+pathUnregister+", "+pathList+" and "+pathHealth)
+		return
+	}
+	if string(ctx.Method()) != method {
+		ctx.Response.Header.Set("Allow", method)
+		bootstrapError(ctx, fasthttp.StatusMethodNotAllowed, "method not allowed; use "+method)
+		return
+	}
+	switch string(ctx.Path()) {
+	case pathHealth:
+		bootstrapOK(ctx)
+	case pathList:
+		h.list(ctx)
+	case pathRegister:
+		h.change(ctx, true)
+	case pathUnregister:
+		h.change(ctx, false)
+	}
+}
+
+func (h *bootstrapHandler) list(ctx *fasthttp.RequestCtx) {
+	urls, err := h.r.listURLs(ctx)
+	if err != nil {
+		h.storeError(ctx, "listing", err)
+		return
+	}
+	if urls == nil {
+		urls = []string{}
+	}
+	bootstrapJSON(ctx, fasthttp.StatusOK, struct {
+		EncoderURLs []string `json:"encoder_urls"`
+	}{urls})
+}
+
+// change registers (add) or unregisters the body's url.
+func (h *bootstrapHandler) change(ctx *fasthttp.RequestCtx, add bool) {
+	body := ctx.PostBody()
+	if max := int64(h.r.cfg.MaxBodyBytes); int64(len(body)) > max {
+		bootstrapError(ctx, fasthttp.StatusRequestEntityTooLarge,
+			"request body is over bootstrap.max_body_bytes ("+h.r.cfg.MaxBodyBytes.String()+")")
+		return
+	}
+	var raw [1][]byte
+	if err := jsonfield.Lookup(body, bootstrapURLKey, raw[:]); err != nil {
+		if errors.Is(err, jsonfield.ErrNotObject) {
+			bootstrapError(ctx, fasthttp.StatusBadRequest, msgMissingURL)
+			return
+		}
+		bootstrapError(ctx, fasthttp.StatusBadRequest, "invalid JSON body: "+bootstrapJSONProblem(err))
+		return
+	}
+	rawURL, ok := jsonfield.String(raw[0])
+	if !ok || rawURL == "" {
+		bootstrapError(ctx, fasthttp.StatusBadRequest, msgMissingURL)
+		return
+	}
+	var (
+		u   string
+		err error
+	)
+	if add {
+		u, err = h.r.register(ctx, rawURL)
+	} else {
+		u, err = h.r.unregister(ctx, rawURL)
+	}
+	switch {
+	case err == nil:
+		if add {
+			h.log.Info("encoder registered", zap.String("url", u), zap.Stringer("remote", ctx.RemoteAddr()))
+		} else {
+			h.log.Info("encoder unregistered", zap.String("url", u), zap.Stringer("remote", ctx.RemoteAddr()))
+		}
+		bootstrapOK(ctx)
+	case errors.Is(err, ErrInvalidURL):
+		bootstrapError(ctx, fasthttp.StatusBadRequest, err.Error())
+	case errors.Is(err, ErrFull):
+		h.log.Warn("encoder registration refused: registry full", zap.String("url", u),
+			zap.Int("max_encoders", h.r.cfg.MaxEncoders))
+		ctx.Response.Header.Set("Retry-After", retryAfterFull)
+		bootstrapError(ctx, fasthttp.StatusServiceUnavailable, err.Error())
+	default:
+		what := "registering"
+		if !add {
+			what = "unregistering"
+		}
+		h.storeError(ctx, what, err)
+	}
+}
+
+// storeError answers a store failure with a 503 and logs it.
+func (h *bootstrapHandler) storeError(ctx *fasthttp.RequestCtx, what string, err error) {
+	h.log.Warn("bootstrap: registration store unavailable", zap.String("op", what), zap.Error(err))
+	bootstrapError(ctx, fasthttp.StatusServiceUnavailable, "registration store unavailable: "+err.Error())
+}
+
+// bootstrapJSONProblem says what is wrong with a body jsonfield refused, without the
+// "invalid JSON" its messages start with.
+func bootstrapJSONProblem(err error) string {
+	var se *jsonfield.SyntaxError
+	switch {
+	case errors.As(err, &se):
+		return se.Msg + " at byte " + strconv.Itoa(se.Offset)
+	case errors.Is(err, jsonfield.ErrTooDeep):
+		return "nested too deeply"
+	default:
+		return err.Error()
+	}
+}
+
+// bootstrapOK answers 200 "OK" as text/plain, sglang's success answer on every
+// bootstrap route but the list.
+func bootstrapOK(ctx *fasthttp.RequestCtx) {
+	ctx.SetStatusCode(fasthttp.StatusOK)
+	ctx.SetContentType("text/plain; charset=utf-8")
+	ctx.SetBodyString("OK")
+}
+
+func bootstrapError(ctx *fasthttp.RequestCtx, status int, msg string) {
+	bootstrapJSON(ctx, status, struct {
+		Error string `json:"error"`
+	}{msg})
+}
+
+func bootstrapJSON(ctx *fasthttp.RequestCtx, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil { // only strings and string slices are marshalled
+		status, b = fasthttp.StatusInternalServerError, []byte(`{"error":"internal error"}`)
+	}
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
