@@ -109,15 +109,21 @@ func writeJSON(w http.ResponseWriter, v any) {
 
 // UpstreamState is one row of GET /admin/upstreams.
 type UpstreamState struct {
-	Name     string                  `json:"name"`
-	URL      string                  `json:"url"`
-	Usable   bool                    `json:"usable"`
-	State    string                  `json:"state"`
-	Inflight int64                   `json:"inflight"`
-	Requests uint64                  `json:"requests"`
-	Pins     int                     `json:"pins"`
-	Breaker  BreakerView             `json:"breaker"`
-	Health   upstream.HealthSnapshot `json:"health"`
+	Name string `json:"name"`
+	URL  string `json:"url"`
+	// Source is where the encoder came from: static (the config file),
+	// registered (sglang's bootstrap API) or dns.
+	Source string `json:"source"`
+	// Membership is active (takes new work) or draining (left its source;
+	// serves only the req_ids pinned to it, and is dropped once none is).
+	Membership string                  `json:"membership"`
+	Usable     bool                    `json:"usable"`
+	State      string                  `json:"state"`
+	Inflight   int64                   `json:"inflight"`
+	Requests   uint64                  `json:"requests"`
+	Pins       int                     `json:"pins"`
+	Breaker    BreakerView             `json:"breaker"`
+	Health     upstream.HealthSnapshot `json:"health"`
 }
 
 // BreakerView is the passive (breaker) state of an encoder.
@@ -134,8 +140,12 @@ func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 	var out []UpstreamState
 	for _, e := range s.pool.Encoders() {
 		bc := e.Breaker.Counts()
+		membership := "active"
+		if e.Draining() {
+			membership = "draining"
+		}
 		out = append(out, UpstreamState{
-			Name: e.Name, URL: e.URL, Usable: e.Usable(), State: e.State(),
+			Name: e.Name, URL: e.URL, Source: e.Source(), Membership: membership, Usable: e.Usable(), State: e.State(),
 			Inflight: e.Inflight(), Requests: e.Requests(), Pins: pins[e.Name],
 			Breaker: BreakerView{State: e.Breaker.State().String(), Requests: bc.Requests, TotalFailures: bc.TotalFailures,
 				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},

@@ -112,8 +112,8 @@ func TestAdminHealthReadyAndUpstreams(t *testing.T) {
 		t.Fatalf("decoding %s: %v", a.body, err)
 	}
 	wantRows := []UpstreamState{
-		{Name: "enc-0", URL: encs[0].URL(), Usable: true, Requests: uint64(want["enc-0"]), Pins: want["enc-0"]},
-		{Name: "enc-1", URL: encs[1].URL(), Usable: false, Requests: uint64(want["enc-1"]), Pins: want["enc-1"]},
+		{Name: "enc-0", URL: encs[0].URL(), Source: "static", Membership: "active", Usable: true, Requests: uint64(want["enc-0"]), Pins: want["enc-0"]},
+		{Name: "enc-1", URL: encs[1].URL(), Source: "static", Membership: "active", Usable: false, Requests: uint64(want["enc-1"]), Pins: want["enc-1"]},
 	}
 	if len(got) != len(wantRows) {
 		t.Fatalf("got %d rows, want %d: %s", len(got), len(wantRows), a.body)

@@ -10,6 +10,7 @@ import (
 	"net"
 	"strings"
 
+	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
@@ -27,8 +28,25 @@ type Config struct {
 	// AdminListen serves /metrics, /healthz, /readyz and /admin/... (default
 	// 127.0.0.1:9090). It must differ from Listen.
 	AdminListen string `yaml:"admin_listen" reload:"restart"`
-	// Encoders is the fleet; at least one.
+	// Encoders is the static fleet: at least one, unless bootstrap or
+	// discovery can find encoders. Encoders found those ways join it.
 	Encoders []upstream.EncoderConfig `yaml:"encoders" reload:"live"`
+	// Bootstrap serves sglang's encoder bootstrap API (encoders started
+	// with --encoder-register-urls register there) on a listener of its
+	// own; off by default. It takes no token (sglang's encoders send
+	// none): expose it only inside the cluster.
+	Bootstrap discovery.BootstrapConfig `yaml:"bootstrap" reload:"restart"`
+	// Discovery finds encoders in DNS (a Kubernetes headless Service).
+	Discovery DiscoveryConfig `yaml:"discovery" reload:"restart"`
+	// RegisterWith lists sglang bootstrap servers (the language server's
+	// --encoder-bootstrap-port) the gateway registers itself with, as
+	// AdvertiseURL/p/0 … /p/<Fanout-1>, so that the language server
+	// sends it Fanout parts per modality; empty = off.
+	RegisterWith []string `yaml:"register_with" reload:"restart"`
+	// AdvertiseURL is the URL the encoders' clients reach this gateway at.
+	AdvertiseURL string `yaml:"advertise_url" reload:"restart"`
+	// Fanout is how many URLs the gateway registers (default 1, at most 1024).
+	Fanout int `yaml:"fanout" reload:"restart"`
 	// Affinity controls req_id pinning.
 	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`
 	// Upstream controls connections to encoders.
@@ -50,6 +68,22 @@ type Config struct {
 	// Log controls the zap logger.
 	Log configfile.Log `yaml:"log" reload:"live"`
 }
+
+// DiscoveryConfig is the gateway's discovery section.
+type DiscoveryConfig struct {
+	// DNS names whose A/AAAA records are encoders, each at its port.
+	DNS []discovery.DNSConfig `yaml:"dns"`
+}
+
+// registrar is the self-registration part of c.
+func (c Config) registrar() discovery.RegistrarConfig {
+	r := discovery.DefaultRegistrar()
+	r.RegisterWith, r.AdvertiseURL, r.Fanout = c.RegisterWith, c.AdvertiseURL, c.Fanout
+	return r
+}
+
+// dynamic reports whether encoders can join beyond the static list.
+func (c Config) dynamic() bool { return c.Bootstrap.Listen != "" || len(c.Discovery.DNS) > 0 }
 
 // ShutdownConfig is the gateway's shutdown section: the grace every role
 // has, plus the delay between going not-ready and closing the listener.
@@ -150,6 +184,12 @@ func DefaultConfig() Config {
 		Breaker:     upstream.DefaultBreaker(),
 		Health:      upstream.DefaultHealth(),
 		Idempotency: idempotency.DefaultConfig(),
+		Bootstrap:   discovery.DefaultBootstrap(),
+		// Empty, not nil: what `dns: []` and `register_with: []` decode to,
+		// so the example file equals the defaults.
+		Discovery:    DiscoveryConfig{DNS: []discovery.DNSConfig{}},
+		RegisterWith: []string{},
+		Fanout:       1,
 		Limits: LimitsConfig{
 			MaxBodyBytes:          8 << 20,
 			MaxHeaderBytes:        64 << 10,
@@ -181,7 +221,22 @@ func LoadConfig(path string) (Config, error) {
 	if err != nil && !errors.As(err, &partial) {
 		return cfg, err
 	}
+	cfg.Discovery.fillDefaults()
 	return cfg, errors.Join(err, cfg.Validate())
+}
+
+// fillDefaults gives every discovery.dns entry the defaults of the keys it
+// leaves out (a list's entries start empty when the file is decoded).
+func (d *DiscoveryConfig) fillDefaults() {
+	def := discovery.DefaultDNS()
+	for i := range d.DNS {
+		if d.DNS[i].Scheme == "" {
+			d.DNS[i].Scheme = def.Scheme
+		}
+		if d.DNS[i].Interval == 0 {
+			d.DNS[i].Interval = def.Interval
+		}
+	}
 }
 
 // Validate reports every problem, each with its field path.
@@ -192,7 +247,18 @@ func (c Config) Validate() error {
 	if c.Listen != "" && c.Listen == c.AdminListen && !strings.HasSuffix(c.Listen, ":0") {
 		p.Addf("admin_listen", "must differ from listen (%s)", c.Listen)
 	}
+	if len(c.Encoders) == 0 && !c.dynamic() {
+		p.Addf("encoders", "at least one encoder is required (or bootstrap.listen, or discovery.dns, to find them)")
+	}
 	upstream.ValidateEncoders(&p, "encoders", c.Encoders)
+	c.Bootstrap.Validate(&p, "bootstrap")
+	if c.Bootstrap.Listen != "" && (c.Bootstrap.Listen == c.Listen || c.Bootstrap.Listen == c.AdminListen) && !strings.HasSuffix(c.Bootstrap.Listen, ":0") {
+		p.Addf("bootstrap.listen", "must differ from listen and admin_listen (%s)", c.Bootstrap.Listen)
+	}
+	for i, d := range c.Discovery.DNS {
+		d.Validate(&p, fmt.Sprintf("discovery.dns[%d]", i))
+	}
+	c.registrar().Validate(&p, "")
 	c.Affinity.Validate(&p, "affinity")
 	c.Upstream.Validate(&p, "upstream")
 	c.Retry.Validate(&p, "retry")

@@ -25,7 +25,7 @@ const (
 // handle is the fasthttp handler for the encoder-facing listener.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := s.clk.Now()
-	rt := sglang.Lookup(ctx.Path())
+	rt := sglang.Lookup(sglang.StripFanout(ctx.Path()))
 	s.serve(ctx, rt)
 	s.metrics.observe(rt, ctx.Response.StatusCode(), s.clk.Now().Sub(start))
 }

@@ -30,7 +30,7 @@ func (s *Server) Reload(next Config) error {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}
-	added, removed, err := s.pool.Reload(poolSettings(merged))
+	ch, err := s.applyFleet(&merged, func() { s.snap.Store(&merged) })
 	if err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
@@ -40,9 +40,9 @@ func (s *Server) Reload(next Config) error {
 			s.level.SetLevel(lvl)
 		}
 	}
-	s.snap.Store(&merged)
 	s.metrics.reloads.WithLabelValues("applied").Inc()
-	s.log.Info("config reloaded", zap.Strings("encoders_added", added), zap.Strings("encoders_removed", removed),
+	s.log.Info("config reloaded", zap.Strings("encoders_added", ch.added), zap.Strings("encoders_draining", ch.draining),
+		zap.Strings("encoders_removed", ch.removed),
 		zap.Int("encoders", len(merged.Encoders)), zap.Strings("unchanged_until_restart", restart))
 	return nil
 }

@@ -61,6 +61,18 @@ func upstreamNames(t *testing.T, g *gw) []string {
 	return names
 }
 
+// upstreamRow returns /admin/upstreams' row for name.
+func upstreamRow(t *testing.T, g *gw, name string) UpstreamState {
+	t.Helper()
+	for _, r := range upstreamRows(t, g) {
+		if r.Name == name {
+			return r
+		}
+	}
+	t.Fatalf("/admin/upstreams has no %s", name)
+	return UpstreamState{}
+}
+
 // hasSeries reports whether the metrics text has a sample of the series
 // (name and labels exactly as written, any value).
 func hasSeries(text, series string) bool {
@@ -218,7 +230,10 @@ func TestReloadKeepsPinsOfEncodersThatStay(t *testing.T) {
 	}
 }
 
-func TestReloadRemovesAnEncoder(t *testing.T) {
+// An encoder removed from the file drains: no new /encode, its pinned
+// follow-ups still reach it, and it is dropped once its req_ids are
+// released.
+func TestReloadDrainsARemovedEncoder(t *testing.T) {
 	entered := make(chan struct{})
 	release := make(chan struct{})
 	var once sync.Once
@@ -247,6 +262,7 @@ func TestReloadRemovesAnEncoder(t *testing.T) {
 	if a := post(t, g.base+"/encode", encodeBody(pinned)); a.status != 200 || a.header.Get("X-Encgate-Encoder") != "enc-1" {
 		t.Fatalf("/encode %s: %d encoder=%q %s", pinned, a.status, a.header.Get("X-Encgate-Encoder"), a.body)
 	}
+	fresh := ownedBy(t, g, "enc-1", "fresh") // enc-1's by rendezvous, never sent before the removal
 	stays := ownedBy(t, g, "enc-0", "stays")
 	if a := post(t, g.base+"/encode", encodeBody(stays)); a.status != 200 || a.header.Get("X-Encgate-Encoder") != "enc-0" {
 		t.Fatalf("/encode %s: %d encoder=%q %s", stays, a.status, a.header.Get("X-Encgate-Encoder"), a.body)
@@ -274,31 +290,33 @@ func TestReloadRemovesAnEncoder(t *testing.T) {
 	if err := g.Reload(next); err != nil {
 		t.Fatalf("Reload: %v", err)
 	}
-	if got, want := upstreamNames(t, g), []string{"enc-0", "enc-2"}; !slices.Equal(got, want) {
+	// The removed encoder drains: still listed, taking no new work.
+	if got, want := upstreamNames(t, g), []string{"enc-0", "enc-2", "enc-1"}; !slices.Equal(got, want) {
 		t.Fatalf("/admin/upstreams lists %v, want %v", got, want)
 	}
-
-	// A follow-up pinned to the removed encoder fails fast, naming it.
-	m := post(t, g.base+"/scheduler_receive_meta_data", metaBody(pinned))
-	msg := wantEnvelope(t, m, 503, &pinned)
-	if !strings.Contains(msg, `"enc-1"`) || !strings.Contains(msg, "no longer configured") {
-		t.Errorf("message %q does not name enc-1 as no longer configured", msg)
+	if m := upstreamRow(t, g, "enc-1").Membership; m != "draining" {
+		t.Fatalf("enc-1 membership %q after its removal, want draining", m)
 	}
-	if n := metadataCalls(encs[1], pinned); n != 0 {
-		t.Errorf("the removed encoder received %d metadata calls", n)
+	wantLines(t, scrape(t, g), `encgate_fleet_encoders{source="static",state="draining"} 1`,
+		`encgate_fleet_encoders{source="static",state="active"} 2`)
+	if a := post(t, g.base+"/encode", encodeBody(fresh)); a.status != 200 || a.header.Get("X-Encgate-Encoder") == "enc-1" {
+		t.Fatalf("new /encode while enc-1 drains: %d encoder=%q %s", a.status, a.header.Get("X-Encgate-Encoder"), a.body)
+	}
+	if n := encs[1].Stats().ReqIDs[fresh]["/encode"]; n != 0 {
+		t.Fatalf("the draining encoder received %d /encode for a new req_id", n)
+	}
+
+	// A follow-up pinned to the removed encoder still reaches it.
+	if m := post(t, g.base+"/scheduler_receive_meta_data", metaBody(pinned)); m.status != 200 || m.header.Get("X-Encgate-Encoder") != "enc-1" {
+		t.Fatalf("pinned follow-up while enc-1 drains: %d encoder=%q %s", m.status, m.header.Get("X-Encgate-Encoder"), m.body)
+	}
+	if n := metadataCalls(encs[1], pinned); n != 1 {
+		t.Errorf("the draining encoder received %d metadata calls, want 1", n)
 	}
 	// The pins of an encoder that stays still route there.
 	if a := post(t, g.base+"/scheduler_receive_meta_data", metaBody(stays)); a.status != 200 || a.header.Get("X-Encgate-Encoder") != "enc-0" {
 		t.Errorf("metadata %s: %d encoder=%q %s", stays, a.status, a.header.Get("X-Encgate-Encoder"), a.body)
 	}
-
-	text := scrape(t, g)
-	for _, series := range []string{`encgate_breaker_state{encoder="enc-1"}`, `encgate_upstream_healthy{encoder="enc-1"}`} {
-		if hasSeries(text, series) {
-			t.Errorf("metrics still have %s after enc-1 was removed", series)
-		}
-	}
-	wantLines(t, text, `encgate_breaker_state{encoder="enc-0"} 0`, `encgate_breaker_state{encoder="enc-2"} 0`)
 
 	// The request in flight on the removed encoder finishes normally.
 	unblock()
@@ -309,13 +327,42 @@ func TestReloadRemovesAnEncoder(t *testing.T) {
 	if n := encs[1].Stats().ReqIDs[held]["/encode"]; n != 1 {
 		t.Fatalf("enc-1 received %d /encode for %s", n, held)
 	}
-	text = scrape(t, g)
-	if hasSeries(text, `encgate_breaker_state{encoder="enc-1"}`) {
-		t.Errorf("the finished in-flight request brought back enc-1's breaker series")
+	// While pins need it, a drain check keeps it.
+	g.checkDrained()
+	if got := upstreamNames(t, g); !slices.Contains(got, "enc-1") {
+		t.Fatalf("enc-1 dropped while pins still need it: %v", got)
 	}
+	// Its req_ids are released (both /sends of a TP=2 receiver each): the
+	// next drain check drops it, and its series go.
+	for _, id := range []string{pinned, held} {
+		for _, port := range []int{40000, 40001} {
+			if s := post(t, g.base+"/send", sendBody(id, port)); s.status != 200 || s.header.Get("X-Encgate-Encoder") != "enc-1" {
+				t.Fatalf("send %s:%d while enc-1 drains: %d encoder=%q %s", id, port, s.status, s.header.Get("X-Encgate-Encoder"), s.body)
+			}
+		}
+	}
+	g.checkDrained()
+	if got, want := upstreamNames(t, g), []string{"enc-0", "enc-2"}; !slices.Equal(got, want) {
+		t.Fatalf("/admin/upstreams lists %v once enc-1 drained, want %v", got, want)
+	}
+	text := scrape(t, g)
+	for _, series := range []string{`encgate_breaker_state{encoder="enc-1"}`, `encgate_upstream_healthy{encoder="enc-1"}`} {
+		if hasSeries(text, series) {
+			t.Errorf("metrics still have %s after enc-1 drained", series)
+		}
+	}
+	wantLines(t, text, `encgate_breaker_state{encoder="enc-0"} 0`, `encgate_breaker_state{encoder="enc-2"} 0`,
+		`encgate_fleet_encoders{source="static",state="draining"} 0`)
+
 	f := reloadedLine(t, logs)
-	if got := strs(f["encoders_removed"]); !slices.Equal(got, []string{"enc-1"}) {
-		t.Errorf("encoders_removed = %v, want [enc-1]", got)
+	if got := strs(f["encoders_draining"]); !slices.Equal(got, []string{"enc-1"}) {
+		t.Errorf("encoders_draining = %v, want [enc-1]", got)
+	}
+	if got := strs(f["encoders_removed"]); len(got) != 0 {
+		t.Errorf("encoders_removed = %v at the reload, want none (enc-1 drains first)", got)
+	}
+	if n := logs.FilterMessage("drained encoders dropped").Len(); n != 1 {
+		t.Errorf("%d \"drained encoders dropped\" log lines, want 1", n)
 	}
 }
 

@@ -45,6 +45,9 @@ type Server struct {
 	fds     fdlimit.Limits // RLIMIT_NOFILE, checked again on every reload
 	ready   atomic.Bool
 	done    chan error
+
+	fleet   *fleet   // the encoders of every source (fleet.go)
+	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
 }
 
 // Deps are what a Server takes from its caller.
@@ -91,6 +94,13 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	s := &Server{fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
+	s.fleet = newFleet(deps.Registry)
+	if _, err := s.applyFleet(&cfg, nil); err != nil {
+		pool.Close()
+		_ = store.Close()
+		return nil, err
+	}
+	s.sources = s.newSources(cfg)
 	acceptErrors := newAcceptErrors(deps.Registry)
 	s.conns = newConnLimiter(listenerOptions{name: "main", max: cfg.Limits.MaxConns, linger: maxLingering,
 		key: "limits.max_conns", what: "connections", one: "connection", counter: "encgate_connections_rejected_total"}, clk, log, acceptErrors)
@@ -196,6 +206,11 @@ func (s *Server) Start() error {
 		ln.Close()
 		return fmt.Errorf("admin_listen: %w", err)
 	}
+	if err := s.startSources(*cfg); err != nil {
+		ln.Close()
+		adln.Close()
+		return err
+	}
 	s.ln, s.adln = ln, adln
 	s.conns.Listener, s.adconns.Listener = ln, adln
 	go func() { s.done <- s.srv.Serve(framingListener{tcpconn.Listener{Listener: s.conns}}) }()
@@ -227,6 +242,7 @@ func (s *Server) Done() <-chan error { return s.done }
 // error when requests were still in flight as ctx ended.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.ready.Store(false)
+	s.unregisterSelf(ctx)
 	delay := s.conf().Shutdown.Delay.D()
 	s.log.Info("draining: not ready", zap.Duration("delay", delay))
 	if delay > 0 {
@@ -243,9 +259,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.conns.wait()
 	aerr := s.admin.Shutdown(ctx)
 	s.adconns.wait()
+	berr := s.stopSources(ctx)
 	s.pool.Close()
 	serr := s.store.Close()
-	err = errors.Join(err, aerr, serr)
+	err = errors.Join(err, aerr, berr, serr)
 	s.log.Info("stopped", zap.Error(err))
 	return err
 }

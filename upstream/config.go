@@ -141,9 +141,6 @@ func DefaultClient() ClientConfig {
 
 // ValidateEncoders checks the encoder list; path is its field path.
 func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig) {
-	if len(encs) == 0 {
-		p.Addf(path, "at least one encoder is required")
-	}
 	names := map[string]int{}
 	urls := map[string]int{}
 	for i, e := range encs {

@@ -1,0 +1,245 @@
+package gateway
+
+import (
+	"context"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/discovery"
+	"github.com/encgate/encgate/upstream"
+)
+
+// fleet is the gateway's encoder list from every source: the config file's
+// encoders (static), registrations through sglang's bootstrap API and DNS
+// answers. A name seen from two sources is one encoder; the file's entry
+// wins (it may name an agent and a generation), then a registration, then
+// DNS.
+//
+// An encoder that leaves every source (it unregisters, vanishes from DNS,
+// or is removed from the file) drains: from that moment it gets no new
+// /encode, while the follow-ups of req_ids pinned to it still go to it.
+// Once no live pin and no exchange needs it (upstream.Pool.Drained), the
+// next drain check drops it.
+type fleet struct {
+	mu         sync.Mutex // serialises apply; protects everything below
+	registered []discovery.Member
+	dns        []discovery.Member
+	// active is what the last apply put in service, by name.
+	active map[string]upstream.EncoderConfig
+	// draining holds encoders that left their sources and still hold pins,
+	// as they were configured when they left.
+	draining map[string]upstream.EncoderConfig
+
+	gauge *prometheus.GaugeVec // encgate_fleet_encoders{source,state}
+	// draining is signalled when an apply leaves encoders draining: the
+	// drain checks run (and arm timers) only while some encoder drains.
+	drainWake chan struct{}
+}
+
+func newFleet(reg prometheus.Registerer) *fleet {
+	f := &fleet{
+		active:    map[string]upstream.EncoderConfig{},
+		draining:  map[string]upstream.EncoderConfig{},
+		drainWake: make(chan struct{}, 1),
+		gauge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "encgate_fleet_encoders",
+			Help: "Encoders in the fleet by source (static: the config file, registered: sglang's bootstrap API, dns) and state (active: takes new work; draining: left its source, still serves the req_ids pinned to it).",
+		}, []string{"source", "state"}),
+	}
+	if reg != nil {
+		reg.MustRegister(f.gauge)
+	}
+	return f
+}
+
+// merge returns the encoder list for static plus the discovered members,
+// with the draining encoders after the active ones, and updates the
+// draining set: an active encoder missing from the new list starts to
+// drain, and a draining one that is back in a source is active again.
+// f.mu is held.
+func (f *fleet) merge(static []upstream.EncoderConfig) (list []upstream.EncoderConfig, left []string) {
+	list = make([]upstream.EncoderConfig, 0, len(static)+len(f.registered)+len(f.dns)+len(f.draining))
+	seen := map[string]bool{} // names and URLs: either seen makes a member the same encoder
+	for _, ec := range static {
+		ec.Source, ec.Draining, ec.Joining = upstream.SourceStatic, false, false
+		list = append(list, ec)
+		seen[ec.Name], seen[ec.URL] = true, true
+	}
+	for _, src := range [][]discovery.Member{f.registered, f.dns} {
+		for _, m := range src {
+			if seen[m.Name] || seen[m.URL] {
+				continue
+			}
+			seen[m.Name], seen[m.URL] = true, true
+			list = append(list, upstream.EncoderConfig{Name: m.Name, URL: m.URL, Source: m.Source, Joining: true})
+		}
+	}
+	next := make(map[string]upstream.EncoderConfig, len(list))
+	for _, ec := range list {
+		next[ec.Name] = ec
+		delete(f.draining, ec.Name)
+	}
+	for name, ec := range f.active {
+		if _, stays := next[name]; !stays {
+			ec.Draining, ec.Joining = true, false
+			f.draining[name] = ec
+			left = append(left, name)
+		}
+	}
+	sort.Strings(left)
+	f.active = next
+	names := make([]string, 0, len(f.draining))
+	for name := range f.draining {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		list = append(list, f.draining[name])
+	}
+	return list, left
+}
+
+// count sets encgate_fleet_encoders from list. f.mu is held.
+func (f *fleet) count(list []upstream.EncoderConfig) {
+	f.gauge.Reset()
+	for _, src := range []string{upstream.SourceStatic, upstream.SourceRegistered, upstream.SourceDNS} {
+		f.gauge.WithLabelValues(src, "active").Set(0)
+		f.gauge.WithLabelValues(src, "draining").Set(0)
+	}
+	for _, ec := range list {
+		state := "active"
+		if ec.Draining {
+			state = "draining"
+		}
+		f.gauge.WithLabelValues(ec.Source, state).Inc()
+	}
+}
+
+// applyFleet puts in force the fleet of next (its static encoders and
+// settings; nil: the config in force) plus the discovered members. It is
+// how every change of the fleet reaches the pool: a reload, a
+// registration, a DNS answer, a drain. commit, when set, runs on success
+// before the fleet's lock is released: a reload stores its config there, so
+// a discovery change applied next uses that config and not the one before.
+func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err error) {
+	f := s.fleet
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	c := next
+	if c == nil {
+		c = s.conf()
+	}
+	prevActive := make(map[string]upstream.EncoderConfig, len(f.active))
+	for k, v := range f.active {
+		prevActive[k] = v
+	}
+	prevDraining := make(map[string]upstream.EncoderConfig, len(f.draining))
+	for k, v := range f.draining {
+		prevDraining[k] = v
+	}
+	list, left := f.merge(c.Encoders)
+	set := poolSettings(*c)
+	set.Encoders = list
+	added, removed, err := s.pool.Reload(set)
+	if err != nil {
+		f.active, f.draining = prevActive, prevDraining // nothing changed
+		return fleetChange{}, err
+	}
+	ch = fleetChange{added: added, removed: removed, draining: left}
+	f.count(list)
+	if len(f.draining) > 0 {
+		select {
+		case f.drainWake <- struct{}{}:
+		default:
+		}
+	}
+	if commit != nil {
+		commit()
+	}
+	return ch, nil
+}
+
+// fleetChange is what an apply changed: encoders that started (added),
+// stopped (removed: dropped after a drain, or a name moved to another URL)
+// and started to drain.
+type fleetChange struct{ added, removed, draining []string }
+
+func (c fleetChange) empty() bool { return len(c.added)+len(c.removed)+len(c.draining) == 0 }
+
+// setDiscovered records a source's members and applies the fleet.
+func (s *Server) setDiscovered(source string, members []discovery.Member) {
+	s.fleet.mu.Lock()
+	switch source {
+	case upstream.SourceRegistered:
+		s.fleet.registered = members
+	case upstream.SourceDNS:
+		s.fleet.dns = members
+	}
+	s.fleet.mu.Unlock()
+	ch, err := s.applyFleet(nil, nil)
+	if err != nil {
+		s.log.Error("fleet change refused", zap.String("source", source), zap.Error(err))
+		return
+	}
+	if !ch.empty() {
+		s.log.Info("fleet changed", zap.String("source", source), zap.Strings("encoders_added", ch.added),
+			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed),
+			zap.Int("members", len(members)))
+	}
+}
+
+// checkDrained drops the draining encoders that no longer hold anything,
+// and reports whether some still drain.
+func (s *Server) checkDrained() bool {
+	done := s.pool.Drained()
+	if len(done) == 0 {
+		return s.stillDraining()
+	}
+	s.fleet.mu.Lock()
+	for _, name := range done {
+		delete(s.fleet.draining, name)
+	}
+	s.fleet.mu.Unlock()
+	if _, err := s.applyFleet(nil, nil); err != nil {
+		s.log.Error("dropping drained encoders refused", zap.Strings("encoders", done), zap.Error(err))
+		return true
+	}
+	s.log.Info("drained encoders dropped", zap.Strings("encoders", done))
+	return s.stillDraining()
+}
+
+func (s *Server) stillDraining() bool {
+	s.fleet.mu.Lock()
+	defer s.fleet.mu.Unlock()
+	return len(s.fleet.draining) > 0
+}
+
+// drainCheckEvery is how often the gateway looks for drained encoders. The
+// check walks the pin table only while some encoder drains.
+const drainCheckEvery = time.Second
+
+// runDrainChecks calls checkDrained every drainCheckEvery while some
+// encoder drains, until ctx ends; with none draining it waits for one.
+func (s *Server) runDrainChecks(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.fleet.drainWake:
+		}
+		for draining := true; draining; {
+			t := s.clk.NewTimer(drainCheckEvery)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C():
+				draining = s.checkDrained()
+			}
+		}
+	}
+}

@@ -1,0 +1,194 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/discovery"
+	"github.com/encgate/encgate/upstream"
+)
+
+// sources runs what makes the fleet dynamic, each on a goroutine of its own
+// until stop: sglang's bootstrap API and its registry, DNS discovery, the
+// gateway's own registration with sglang bootstrap servers, and the drain
+// checks.
+type sources struct {
+	registry  *discovery.Registry  // nil unless bootstrap.listen is set
+	boot      *fasthttp.Server     // serves the registry's API
+	bootln    net.Listener         // bootstrap.listen
+	registrar *discovery.Registrar // nil unless register_with is set
+	regStop   context.CancelFunc   // stops the registrar's Run
+	regDone   chan struct{}        // closed when it has returned
+	closeKV   func() error         // the registry's Redis client, when shared
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// newSources builds the registry (shared through Redis when the /send store
+// is Redis, so that every replica serves the same fleet), the DNS source and
+// the registrar. Nothing runs until start.
+func (s *Server) newSources(cfg Config) *sources {
+	src := &sources{}
+	if cfg.Bootstrap.Listen != "" {
+		store := discovery.NewMemoryStore()
+		if cfg.Idempotency.Store == "redis" {
+			kv := cfg.Idempotency.Redis.Client(4)
+			store = discovery.NewRedisStore(kv, cfg.Idempotency.Redis.KeyPrefix)
+			src.closeKV = kv.Close
+		}
+		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"))
+		src.boot = &fasthttp.Server{
+			Handler:               src.registry.Handler(s.log.Named("bootstrap")),
+			Name:                  "encgate-bootstrap",
+			NoDefaultServerHeader: true,
+			MaxRequestBodySize:    int(cfg.Bootstrap.MaxBodyBytes),
+			ReadTimeout:           cfg.Limits.ReadHeaderTimeout.D(),
+			WriteTimeout:          cfg.Limits.WriteTimeout.D(),
+			IdleTimeout:           cfg.Limits.IdleTimeout.D(),
+			ReadBufferSize:        4096,
+			Concurrency:           1024,
+			CloseOnShutdown:       true,
+			Logger:                fasthttpLog{sampled(s.log.Named("bootstrap"), s.clk)},
+		}
+	}
+	if len(cfg.RegisterWith) > 0 {
+		src.registrar = discovery.NewRegistrar(cfg.registrar(), discovery.RegistrarDeps{
+			Log: s.log.Named("registrar"), Registry: s.reg, Clock: s.clk})
+	}
+	return src
+}
+
+// start listens on bootstrap.listen and starts every source.
+func (s *Server) startSources(cfg Config) error {
+	src := s.sources
+	if src.boot != nil {
+		ln, err := net.Listen("tcp", cfg.Bootstrap.Listen)
+		if err != nil {
+			return fmt.Errorf("bootstrap.listen: %w", err)
+		}
+		src.bootln = ln
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	src.cancel = cancel
+	run := func(name string, f func()) {
+		src.wg.Add(1)
+		go func() {
+			defer src.wg.Done()
+			defer func() {
+				if r := recover(); r != nil {
+					s.log.Error(name+" panicked", zap.Any("panic", r), zap.Stack("stack"))
+				}
+			}()
+			f()
+		}()
+	}
+	if src.boot != nil {
+		run("bootstrap listener", func() {
+			if err := src.boot.Serve(src.bootln); err != nil {
+				s.log.Error("bootstrap listener stopped", zap.Error(err))
+			}
+		})
+		// Registrations converge across replicas within one health interval,
+		// and a registered encoder's TTL is refreshed while it passes checks.
+		every := cfg.Health.Interval.D()
+		run("bootstrap registry", func() {
+			src.registry.Run(ctx, every, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceRegistered, ms) })
+		})
+		run("registration refresh", func() { s.refreshRegistrations(ctx, every) })
+	}
+	if len(cfg.Discovery.DNS) > 0 {
+		d := discovery.NewDNS(cfg.Discovery.DNS, discovery.DNSDeps{Log: s.log.Named("discovery"), Registry: s.reg, Clock: s.clk})
+		run("dns discovery", func() {
+			d.Run(ctx, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceDNS, ms) })
+		})
+	}
+	if src.registrar != nil {
+		// Its own context: Unregister must follow the end of Run, at the
+		// start of a drain, while the other sources still run.
+		rctx, rstop := context.WithCancel(ctx)
+		src.regStop, src.regDone = rstop, make(chan struct{})
+		run("registrar", func() {
+			defer close(src.regDone)
+			src.registrar.Run(rctx)
+		})
+	}
+	run("drain checks", func() { s.runDrainChecks(ctx) })
+	return nil
+}
+
+// refreshRegistrations extends, every interval, the registrations of the
+// registered encoders that pass their health checks: one that crashed
+// without unregistering leaves once bootstrap.ttl passes without a refresh.
+func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) {
+	for {
+		t := s.clk.NewTimer(every)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C():
+		}
+		var urls []string
+		for _, e := range s.pool.Encoders() {
+			if e.Source() == upstream.SourceRegistered && !e.Draining() && !e.Down() {
+				urls = append(urls, e.URL)
+			}
+		}
+		if len(urls) == 0 {
+			continue
+		}
+		if err := s.sources.registry.Refresh(ctx, urls); err != nil && ctx.Err() == nil {
+			s.quiet.Warn("refreshing registrations failed", zap.Int("encoders", len(urls)), zap.Error(err))
+		}
+	}
+}
+
+// unregisterSelf takes the gateway's own registrations back (SIGTERM,
+// before draining), so the language servers stop sending it parts.
+func (s *Server) unregisterSelf(ctx context.Context) {
+	r := s.sources.registrar
+	if r == nil || s.sources.regStop == nil {
+		return
+	}
+	s.sources.regStop()
+	<-s.sources.regDone
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := r.Unregister(ctx); err != nil {
+		s.log.Warn("unregistering from bootstrap servers failed", zap.Error(err))
+		return
+	}
+	s.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", s.conf().RegisterWith))
+}
+
+// stopSources stops every source and the bootstrap listener.
+func (s *Server) stopSources(ctx context.Context) error {
+	src := s.sources
+	if src.cancel != nil {
+		src.cancel()
+	}
+	var err error
+	if src.boot != nil && src.bootln != nil {
+		err = src.boot.ShutdownWithContext(ctx)
+	}
+	src.wg.Wait()
+	if src.closeKV != nil {
+		_ = src.closeKV()
+	}
+	return err
+}
+
+// BootstrapAddr returns the bootstrap listener's address ("" when off).
+func (s *Server) BootstrapAddr() string {
+	if s.sources.bootln == nil {
+		return ""
+	}
+	return s.sources.bootln.Addr().String()
+}
