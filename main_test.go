@@ -159,4 +159,9 @@ func TestDemo(t *testing.T) {
 	if !strings.Contains(stdout, "every /send with the gateway's agent token (0 refused)") {
 		t.Fatalf("demo output lacks the agents' token line:\n%s", stdout)
 	}
+	for _, line := range []string{"registered itself through the bootstrap API", "0 of 24 new /encodes sent to it", "after its last req_id was released"} {
+		if !strings.Contains(stdout, line) {
+			t.Fatalf("demo output lacks the fleet phase (%q):\n%s", line, stdout)
+		}
+	}
 }

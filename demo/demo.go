@@ -161,7 +161,16 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 	res.AgentAcks = nd.acks()
 	res.AgentRefused = nd.refused()
 	printSummary(w, res, time.Since(start), opts)
-	return res.check(opts)
+	if err := res.check(opts); err != nil {
+		return err
+	}
+	fmt.Fprintln(w)
+	fr, err := fleetPhase(ctx, gw)
+	if err != nil {
+		return err
+	}
+	printFleet(w, fr)
+	return fr.check()
 }
 
 // waitNotOpen waits for the recovered encoder's breaker to leave open
@@ -268,6 +277,10 @@ func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry
 	cfg.Upstream.MaxConnsPerEncoder = 256
 	cfg.Breaker.ConsecutiveFailures = 3
 	cfg.Breaker.OpenTimeout = configfile.Duration(300 * time.Millisecond)
+	// sglang's bootstrap API on loopback: the fleet phase's encoder
+	// registers there and joins after one passed health check.
+	cfg.Bootstrap.Listen = "127.0.0.1:0"
+	cfg.Health.UpAfter = 1
 	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
 	if err != nil {
 		return nil, err
