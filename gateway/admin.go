@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/sglang"
@@ -34,6 +35,7 @@ func (s *Server) adminMux() *http.ServeMux {
 	})
 	protected("GET /admin/upstreams", s.serveUpstreams)
 	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
+	protected("GET /admin/registrations", s.serveRegistrations)
 	// Go's profiler, on the admin listener only (never the encoder-facing one).
 	protected("GET /debug/pprof/", pprof.Index)
 	protected("GET /debug/pprof/cmdline", pprof.Cmdline)
@@ -151,6 +153,18 @@ func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},
 			Health: e.Health.Snapshot(),
 		})
+	}
+	writeJSON(w, out)
+}
+
+// serveRegistrations shows where the gateway's own registrations with
+// sglang bootstrap servers stand (register_with): per bootstrap and URL,
+// registered or pending, attempts, the last error. An empty list when
+// register_with is not set.
+func (s *Server) serveRegistrations(w http.ResponseWriter, _ *http.Request) {
+	out := []discovery.RegistrationStatus{}
+	if r := s.sources.registrar; r != nil {
+		out = append(out, r.Status()...)
 	}
 	writeJSON(w, out)
 }

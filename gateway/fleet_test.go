@@ -255,6 +255,11 @@ func TestGatewayRegistersItselfWithFanout(t *testing.T) {
 	}
 	want := []string{"http://gw.example:8080/p/0", "http://gw.example:8080/p/1", "http://gw.example:8080/p/2", "http://gw.example:8080/p/3"}
 	eventually(t, "four registrations", func() bool { r, _ := boot.urls(); return slices.Equal(r, want) })
+	// The registrar marks them registered once their answers are in.
+	eventually(t, "four registered rows in /admin/registrations", func() bool {
+		adm := do(t, http.MethodGet, "http://"+s.AdminAddr()+"/admin/registrations", "")
+		return adm.status == 200 && strings.Count(adm.body, `"registered": true`) == 4
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := s.Shutdown(ctx); err != nil {
