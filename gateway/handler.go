@@ -64,7 +64,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	}
 	// Exchange, then the envelope.
 	resp := fasthttp.AcquireResponse()
-	res := s.exchange(ctx, rt, req.ReqID, req.Rank, 0, resp)
+	res := s.exchangePlaced(ctx, rt, req.ReqID, req.Rank, req.MMItems, 0, resp)
 	s.answer(ctx, rt, req.ReqID, res, resp)
 	fasthttp.ReleaseResponse(resp)
 }
@@ -87,10 +87,17 @@ func (s *Server) refuse(ctx *fasthttp.RequestCtx, rt *sglang.Route, ferr *sglang
 // exchange runs the call's attempts with the encoders (upstream.Exchange):
 // resp receives the encoder's last answer.
 func (s *Server) exchange(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, limit time.Duration, resp *fasthttp.Response) upstream.Result {
+	return s.exchangePlaced(ctx, rt, reqID, rank, nil, limit, resp)
+}
+
+// exchangePlaced is exchange with an /encode's mm_items (a view of the
+// body; nil for other routes) as its placement key: the pool places by it
+// when affinity.encode_by is content, and by req_id otherwise.
+func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, mmItems []byte, limit time.Duration, resp *fasthttp.Response) upstream.Result {
 	return s.pool.Exchange(&upstream.Call{
 		Route: rt, ReqID: reqID, Rank: rank,
 		Method: ctx.Method(), ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(),
-		Limit: limit, Done: ctx.Done(), Resp: resp,
+		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp,
 	})
 }
 

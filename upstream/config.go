@@ -91,7 +91,30 @@ type AffinityConfig struct {
 	// MaxPins bounds the pin table (default 1,000,000); past it the entries
 	// nearest to expiry in a shard make room, counted in a metric.
 	MaxPins int `yaml:"max_pins"`
+	// EncodeBy is what places an /encode that is not pinned yet:
+	// EncodeByReqID (the default) ranks the encoders by rendezvous on the
+	// req_id, which spreads parts evenly and lets a follow-up that comes
+	// before its /encode find the same encoder; EncodeByContent ranks them
+	// on a hash of the body's mm_items, so that media sent again (a
+	// multi-turn chat re-sends its earlier images) reaches the encoder whose
+	// media cache (sglang's --enable-prefix-mm-cache) already holds it,
+	// under bounded load (LoadFactor). Either way the pin is set per req_id
+	// and every follow-up follows it.
+	EncodeBy string `yaml:"encode_by"`
+	// LoadFactor bounds content placement (default 1.25): an encoder whose
+	// in-flight exchanges, with this /encode, would exceed LoadFactor times
+	// the fleet's mean passes it to the next in order, so that popular media
+	// cannot pile onto one encoder ("consistent hashing with bounded
+	// loads", as HAProxy's hash-balance-factor). Closer to 1 spreads load
+	// more evenly and keeps fewer repeats on their cache.
+	LoadFactor float64 `yaml:"load_factor"`
 }
+
+// Placements (AffinityConfig.EncodeBy).
+const (
+	EncodeByReqID   = "req_id"
+	EncodeByContent = "content"
+)
 
 // ClientConfig controls the gateway's connections to encoders.
 type ClientConfig struct {
@@ -124,6 +147,8 @@ func DefaultAffinity() AffinityConfig {
 		PinTTL:      configfile.Duration(240e9),
 		UnknownWait: configfile.Duration(5e9),
 		MaxPins:     1_000_000,
+		EncodeBy:    EncodeByReqID,
+		LoadFactor:  1.25,
 	}
 }
 
@@ -207,6 +232,16 @@ func (c AffinityConfig) Validate(p *configfile.Problems, path string) {
 	}
 	if c.MaxPins < 1 {
 		p.Addf(path+".max_pins", "must be >= 1, got %d", c.MaxPins)
+	}
+	if c.EncodeBy != EncodeByReqID && c.EncodeBy != EncodeByContent {
+		p.Addf(path+".encode_by", "must be %s or %s, got %q", EncodeByReqID, EncodeByContent, c.EncodeBy)
+	}
+	// At 1.0 the bound is even spreading itself: media leaves its encoder
+	// whenever that one holds a part more than its share, so repeats miss
+	// their cache under any load (and below 1.0 no encoder may fit). Past 10
+	// it no longer bounds anything a fleet would notice.
+	if !(c.LoadFactor > 1 && c.LoadFactor <= 10) {
+		p.Addf(path+".load_factor", "must be > 1.0 and <= 10, got %g", c.LoadFactor)
 	}
 }
 

@@ -22,6 +22,12 @@ type Call struct {
 	Method      []byte
 	ContentType []byte
 	Body        []byte
+	// PlaceKey, for an /encode, is the raw text of its body's mm_items
+	// value (a view of Body, shared, not copied). With affinity.encode_by
+	// content the /encode is placed by rendezvous on its hash under bounded
+	// load (Pool.placement); nil, or encode_by req_id, places it by ReqID.
+	// Follow-ups ignore it: they follow the pin.
+	PlaceKey []byte
 	// Limit, when positive, caps the route's retry deadline (a /send gets
 	// what is left of its claim).
 	Limit time.Duration
@@ -48,7 +54,7 @@ type Result struct {
 
 // Exchange runs c: route → attempts under the route's policy, budget and
 // deadline, each judged once (Judge) → breaker, metrics and retry read
-// that verdict. An /encode is placed by the ranked strategy (rendezvous
+// that verdict. An /encode is placed by the ranked strategy (placement
 // order, re-pinned on each retry) unless its req_id is already pinned, in
 // which case it follows the pin as every follow-up does (the pinned
 // strategy). Its outcome is then recorded on the pin.
@@ -235,10 +241,10 @@ func AnswerMessage(body []byte) string {
 	return string(bytes.TrimSpace(body))
 }
 
-// ranked places an /encode: the usable encoders in rendezvous order, one
-// per attempt, the req_id pinned to each as its attempt is admitted (see
-// target.place). A req_id already pinned (a GEN0 sibling rank's /encode, a
-// retry of a placed one) follows its pin.
+// ranked places an /encode: the usable encoders in Pool.placement's
+// order, one per attempt, the req_id pinned to each as its attempt is
+// admitted (see target.place). A req_id already pinned (a GEN0 sibling
+// rank's /encode, a retry of a placed one) follows its pin.
 type ranked struct {
 	p      *Pool
 	c      *Call
@@ -249,6 +255,22 @@ type ranked struct {
 	follow *pinned
 }
 
+// placement appends to dst the order in which an unpinned /encode tries
+// the usable encoders: rendezvous on its req_id, or with affinity.encode_by
+// content and media to hash (Call.PlaceKey), rendezvous on the media's hash
+// under bounded load (boundLoad, affinity.load_factor), so that the same
+// media reaches the encoder whose cache holds it unless that encoder holds
+// more than its share. It allocates nothing.
+func (p *Pool) placement(c *Call, dst []*Encoder) []*Encoder {
+	if p.aff.EncodeBy != EncodeByContent || len(c.PlaceKey) == 0 {
+		return p.Ranked(c.ReqID, dst)
+	}
+	start := len(dst)
+	dst = p.RankedBy(contentHash(c.PlaceKey), dst)
+	boundLoad(dst[start:], p.aff.LoadFactor)
+	return dst
+}
+
 func (s *ranked) pick(n int, sent bool) (target, *Verdict, bool) {
 	if s.follow != nil || s.lost {
 		return s.followPin(n, sent)
@@ -257,7 +279,7 @@ func (s *ranked) pick(n int, sent bool) (target, *Verdict, bool) {
 		if pin, ok := s.p.Pins.Get(s.c.ReqID); ok && !pin.Failed() {
 			return s.followPin(n, sent)
 		}
-		s.list = s.p.Ranked(s.c.ReqID, s.buf[:0])
+		s.list = s.p.placement(s.c, s.buf[:0])
 		if len(s.list) == 0 {
 			v := noEncoderVerdict()
 			return target{}, &v, false

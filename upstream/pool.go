@@ -599,6 +599,14 @@ func (p *Pool) Lookup(name string) (*Encoder, bool) {
 
 // Ranked appends the usable encoders to dst in rendezvous order for reqID.
 func (p *Pool) Ranked(reqID string, dst []*Encoder) []*Encoder {
+	return p.RankedBy(xxhash.Sum64String(reqID), dst)
+}
+
+// RankedBy appends the usable encoders to dst in rendezvous order for the
+// key hash h (Ranked's for a req_id's hash; content placement's for an
+// /encode's media). Draining and unusable encoders are left out: they take
+// no new work.
+func (p *Pool) RankedBy(h uint64, dst []*Encoder) []*Encoder {
 	var buf [16]*Encoder
 	usable := buf[:0]
 	for _, e := range p.Encoders() {
@@ -606,7 +614,7 @@ func (p *Pool) Ranked(reqID string, dst []*Encoder) []*Encoder {
 			usable = append(usable, e)
 		}
 	}
-	return rank(reqID, usable, dst)
+	return rankHash(h, usable, dst)
 }
 
 // ErrNoEncoder means no configured encoder is usable (Owner).

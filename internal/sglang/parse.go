@@ -21,6 +21,11 @@ type Request struct {
 	Rank bool
 	// Send is the parsed /send body (Send route only).
 	Send Send
+	// MMItems is the raw JSON text of an /encode's mm_items value exactly
+	// as the body holds it (a view of the body, not a copy, valid as long
+	// as the body is): what content placement hashes, as the encoder's
+	// media cache keys the same bytes. Nil on other routes.
+	MMItems []byte
 }
 
 // FieldError is a body encgate refuses before forwarding it: the encoder
@@ -231,7 +236,7 @@ func parseEncode(body []byte, lim Limits) (Request, *FieldError) {
 			}
 		}
 	}
-	return Request{ReqID: id, Rank: raw[6] != nil && !jsonfield.IsNull(raw[6])}, nil
+	return Request{ReqID: id, Rank: raw[6] != nil && !jsonfield.IsNull(raw[6]), MMItems: raw[2]}, nil
 }
 
 // validModality reports whether Modality.from_str takes s.
