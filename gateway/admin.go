@@ -33,6 +33,7 @@ func (s *Server) adminMux() *http.ServeMux {
 		}
 		_, _ = w.Write([]byte("ready\n"))
 	})
+	protected("GET /{$}", s.serveStatus) // the status page (status.go)
 	protected("GET /admin/upstreams", s.serveUpstreams)
 	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
 	protected("GET /admin/registrations", s.serveRegistrations)
@@ -138,6 +139,11 @@ type BreakerView struct {
 }
 
 func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, s.upstreamStates())
+}
+
+// upstreamStates is every encoder's row, in fleet order.
+func (s *Server) upstreamStates() []UpstreamState {
 	pins := s.pool.Pins.CountByEncoder()
 	var out []UpstreamState
 	for _, e := range s.pool.Encoders() {
@@ -154,7 +160,7 @@ func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 			Health: e.Health.Snapshot(),
 		})
 	}
-	writeJSON(w, out)
+	return out
 }
 
 // serveRegistrations shows where the gateway's own registrations with

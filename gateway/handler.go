@@ -124,6 +124,8 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string
 			ce.Write(zap.String("route", rt.Path), zap.String("req_id", reqID), zap.String("encoder", v.Encoder),
 				zap.Int("status", v.Status), zap.Stringer("kind", v.Kind), zap.String("message", v.Message))
 		}
+		s.recent.add(recentFailure{At: s.clk.Now(), Route: rt.Path, ReqID: reqID, Encoder: v.Encoder,
+			Status: v.Status, Kind: v.Kind.String(), Message: v.Message})
 		writeEnvelope(ctx, v.Status, v.Message, &reqID)
 	}
 	if v.Encoder != "" {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
@@ -46,7 +47,9 @@ type Server struct {
 	ready   atomic.Bool
 	done    chan error
 
-	fleet   *fleet   // the encoders of every source (fleet.go)
+	fleet   *fleet         // the encoders of every source (fleet.go)
+	recent  recentFailures // the gateway's own latest failure answers, for the status page
+	started time.Time
 	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
 }
 
@@ -94,6 +97,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	s := &Server{fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
+	s.started = clk.Now()
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
 		pool.Close()
