@@ -384,6 +384,7 @@ func (a *Agent) adminMux() *http.ServeMux {
 		_, _ = w.Write([]byte("ready\n"))
 	})
 	protected := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, a.requireAdminToken(h)) }
+	protected("GET /{$}", a.serveStatus) // the status page (status.go)
 	protected("GET /admin/staged", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, a.store.snapshot(a.clk.Now()))
 	})
