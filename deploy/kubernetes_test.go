@@ -1,0 +1,1631 @@
+package deploy
+
+// Checks of the Kubernetes kit in kubernetes/: every manifest decodes
+// strictly into the real API types, every encgate container runs a real
+// subcommand with real flags on a config from the ConfigMaps that the real
+// loaders accept, every probe is served where it points, and the pieces
+// (Services, the PodDisruptionBudget, the Redis address, the token Secret)
+// name each other correctly. The configs are also run: the built binary
+// serves the manifests' probe paths on loopback.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"maps"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	sigsyaml "sigs.k8s.io/yaml"
+
+	"github.com/encgate/encgate/gateway"
+	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/internal/redistest"
+)
+
+const (
+	// kubeDir is the kit, relative to this package.
+	kubeDir = "kubernetes"
+	// kubeImage is the image every encgate container names: what
+	// `go run ./deploy/image` tags by default (deploy/image).
+	kubeImage = "ghcr.io/encgate/encgate:dev"
+	// kubeModuleRoot is the module root, relative to this package.
+	kubeModuleRoot = ".."
+)
+
+// kubeServedPaths are the admin listener's open paths, the only ones a
+// probe or a scrape may name (gateway/admin.go, gpuagent/agent.go).
+var kubeServedPaths = []string{"/healthz", "/readyz", "/metrics"}
+
+// kubeDoc is one decoded manifest document.
+type kubeDoc struct {
+	where string // file#index, for messages
+	kind  string
+	name  string
+	ns    string
+	obj   any // a pointer to the typed object
+}
+
+// kubeWorkload is a Deployment, DaemonSet or StatefulSet, reduced to what
+// the checks need.
+type kubeWorkload struct {
+	kind, name string
+	replicas   *int32 // nil for a DaemonSet
+	selector   *metav1.LabelSelector
+	pod        *corev1.PodTemplateSpec
+}
+
+func (w kubeWorkload) String() string { return w.kind + "/" + w.name }
+
+// kubeKit is the whole kit, decoded.
+type kubeKit struct {
+	namespace  string // kustomization.yaml's namespace
+	docs       []kubeDoc
+	workloads  []kubeWorkload
+	services   []*corev1.Service
+	configMaps map[string]*corev1.ConfigMap
+	secrets    map[string]*corev1.Secret
+	pdbs       []*policyv1.PodDisruptionBudget
+}
+
+// kubeKustomization is the part of kustomization.yaml the kit uses; any
+// other key fails the strict decode (a typo such as "resource:" would
+// otherwise leave the list empty without a word).
+type kubeKustomization struct {
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Namespace  string   `json:"namespace"`
+	Resources  []string `json:"resources"`
+}
+
+// kubeKinds maps each kind the kit may hold to its apiVersion and a
+// constructor of its typed object. Any other kind fails the decode.
+var kubeKinds = map[string]struct {
+	apiVersion string
+	obj        func() any
+}{
+	"Deployment":          {"apps/v1", func() any { return new(appsv1.Deployment) }},
+	"DaemonSet":           {"apps/v1", func() any { return new(appsv1.DaemonSet) }},
+	"StatefulSet":         {"apps/v1", func() any { return new(appsv1.StatefulSet) }},
+	"Service":             {"v1", func() any { return new(corev1.Service) }},
+	"ConfigMap":           {"v1", func() any { return new(corev1.ConfigMap) }},
+	"Secret":              {"v1", func() any { return new(corev1.Secret) }},
+	"Namespace":           {"v1", func() any { return new(corev1.Namespace) }},
+	"PodDisruptionBudget": {"policy/v1", func() any { return new(policyv1.PodDisruptionBudget) }},
+}
+
+// kubeStrictJSON decodes js into dst refusing unknown fields and trailing
+// data.
+func kubeStrictJSON(js []byte, dst any) error {
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(dst); err != nil {
+		return err
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return fmt.Errorf("data after the object")
+	}
+	return nil
+}
+
+// kubeDocSep is a YAML document separator line.
+var kubeDocSep = regexp.MustCompile(`(?m)^---[ \t]*(#.*)?$`)
+
+// kubeDecodeDoc decodes one YAML document into the typed object its kind
+// names. A document of comments only is nil, nil.
+func kubeDecodeDoc(doc []byte) (*kubeDoc, error) {
+	js, err := sigsyaml.YAMLToJSONStrict(doc)
+	if err != nil {
+		return nil, fmt.Errorf("YAML: %w", err)
+	}
+	if t := bytes.TrimSpace(js); len(t) == 0 || string(t) == "null" {
+		return nil, nil
+	}
+	var tm metav1.TypeMeta
+	if err := json.Unmarshal(js, &tm); err != nil {
+		return nil, fmt.Errorf("not an object: %w", err)
+	}
+	k, ok := kubeKinds[tm.Kind]
+	if !ok {
+		return nil, fmt.Errorf("kind %q (apiVersion %q) is not one the kit may hold", tm.Kind, tm.APIVersion)
+	}
+	if tm.APIVersion != k.apiVersion {
+		return nil, fmt.Errorf("%s has apiVersion %q, want %q", tm.Kind, tm.APIVersion, k.apiVersion)
+	}
+	obj := k.obj()
+	if err := kubeStrictJSON(js, obj); err != nil {
+		return nil, fmt.Errorf("%s: %w", tm.Kind, err)
+	}
+	meta := obj.(metav1.Object)
+	if meta.GetName() == "" {
+		return nil, fmt.Errorf("%s has no metadata.name", tm.Kind)
+	}
+	return &kubeDoc{kind: tm.Kind, name: meta.GetName(), ns: meta.GetNamespace(), obj: obj}, nil
+}
+
+// kubeDecodeStream splits data into YAML documents and decodes each.
+func kubeDecodeStream(name string, data []byte) ([]kubeDoc, error) {
+	var out []kubeDoc
+	for i, part := range kubeDocSep.Split(string(data), -1) {
+		d, err := kubeDecodeDoc([]byte(part))
+		if err != nil {
+			return nil, fmt.Errorf("%s, document %d: %w", name, i, err)
+		}
+		if d != nil {
+			d.where = fmt.Sprintf("%s#%d", name, i)
+			out = append(out, *d)
+		}
+	}
+	return out, nil
+}
+
+// kubeReadKustomization reads and strictly decodes kustomization.yaml.
+func kubeReadKustomization(t *testing.T) kubeKustomization {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(kubeDir, "kustomization.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := sigsyaml.YAMLToJSONStrict(data)
+	if err != nil {
+		t.Fatalf("kustomization.yaml: %v", err)
+	}
+	var k kubeKustomization
+	if err := kubeStrictJSON(js, &k); err != nil {
+		t.Fatalf("kustomization.yaml: %v", err)
+	}
+	if k.APIVersion != "kustomize.config.k8s.io/v1beta1" || k.Kind != "Kustomization" {
+		t.Fatalf("kustomization.yaml is %s %s, want kustomize.config.k8s.io/v1beta1 Kustomization", k.APIVersion, k.Kind)
+	}
+	return k
+}
+
+// kubeLoad decodes every resource kustomization.yaml lists.
+func kubeLoad(t *testing.T) *kubeKit {
+	t.Helper()
+	k := kubeReadKustomization(t)
+	kit := &kubeKit{namespace: k.Namespace, configMaps: map[string]*corev1.ConfigMap{}, secrets: map[string]*corev1.Secret{}}
+	seen := map[string]string{}
+	for _, res := range k.Resources {
+		data, err := os.ReadFile(filepath.Join(kubeDir, res))
+		if err != nil {
+			t.Fatalf("kustomization.yaml lists %s: %v", res, err)
+		}
+		docs, err := kubeDecodeStream(res, data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range docs {
+			id := d.kind + "/" + d.name
+			if prev, dup := seen[id]; dup {
+				t.Fatalf("%s is defined twice: %s and %s", id, prev, d.where)
+			}
+			seen[id] = d.where
+			kit.docs = append(kit.docs, d)
+			switch o := d.obj.(type) {
+			case *appsv1.Deployment:
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
+			case *appsv1.DaemonSet:
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, nil, o.Spec.Selector, &o.Spec.Template})
+			case *appsv1.StatefulSet:
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
+			case *corev1.Service:
+				kit.services = append(kit.services, o)
+			case *corev1.ConfigMap:
+				kit.configMaps[d.name] = o
+			case *corev1.Secret:
+				kit.secrets[d.name] = o
+			case *policyv1.PodDisruptionBudget:
+				kit.pdbs = append(kit.pdbs, o)
+			}
+		}
+	}
+	return kit
+}
+
+func (kit *kubeKit) workload(t *testing.T, kind, name string) kubeWorkload {
+	t.Helper()
+	for _, w := range kit.workloads {
+		if w.kind == kind && w.name == name {
+			return w
+		}
+	}
+	t.Fatalf("the kit has no %s/%s", kind, name)
+	return kubeWorkload{}
+}
+
+func (kit *kubeKit) service(t *testing.T, name string) *corev1.Service {
+	t.Helper()
+	for _, s := range kit.services {
+		if s.Name == name {
+			return s
+		}
+	}
+	t.Fatalf("the kit has no Service/%s", name)
+	return nil
+}
+
+// kubeSelects reports whether the label selector sel matches labels. A nil
+// or empty selector matches nothing here: the kit never means "everything".
+func kubeSelects(t *testing.T, sel *metav1.LabelSelector, lbls map[string]string) bool {
+	t.Helper()
+	if sel == nil || (len(sel.MatchLabels) == 0 && len(sel.MatchExpressions) == 0) {
+		return false
+	}
+	s, err := metav1.LabelSelectorAsSelector(sel)
+	if err != nil {
+		t.Fatalf("selector %v: %v", sel, err)
+	}
+	return s.Matches(labels.Set(lbls))
+}
+
+// kubeSubset reports whether every pair of sel is in labels (a Service's
+// selector). An empty selector is false.
+func kubeSubset(sel, labels map[string]string) bool {
+	if len(sel) == 0 {
+		return false
+	}
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// kubeIsEncgateImage reports whether image is some tag or digest of an
+// encgate repository (the check then wants exactly kubeImage).
+func kubeIsEncgateImage(image string) bool {
+	repo := image
+	if i := strings.Index(repo, "@"); i >= 0 {
+		repo = repo[:i]
+	}
+	if i := strings.LastIndex(repo, ":"); i > strings.LastIndex(repo, "/") {
+		repo = repo[:i]
+	}
+	return path.Base(repo) == "encgate"
+}
+
+// kubeContainers lists every container of a pod, init containers first.
+func kubeContainers(ps *corev1.PodSpec) []*corev1.Container {
+	var out []*corev1.Container
+	for i := range ps.InitContainers {
+		out = append(out, &ps.InitContainers[i])
+	}
+	for i := range ps.Containers {
+		out = append(out, &ps.Containers[i])
+	}
+	return out
+}
+
+// kubeEncgateContainer is a container that runs the encgate image.
+type kubeEncgateContainer struct {
+	w    kubeWorkload
+	c    *corev1.Container
+	init bool
+}
+
+func (e kubeEncgateContainer) String() string { return e.w.String() + " container " + e.c.Name }
+
+func (kit *kubeKit) encgateContainers() []kubeEncgateContainer {
+	var out []kubeEncgateContainer
+	for _, w := range kit.workloads {
+		ps := &w.pod.Spec
+		for i := range ps.InitContainers {
+			if c := &ps.InitContainers[i]; kubeIsEncgateImage(c.Image) || kubeRunsSubcommand(c) {
+				out = append(out, kubeEncgateContainer{w, c, true})
+			}
+		}
+		for i := range ps.Containers {
+			if c := &ps.Containers[i]; kubeIsEncgateImage(c.Image) || kubeRunsSubcommand(c) {
+				out = append(out, kubeEncgateContainer{w, c, false})
+			}
+		}
+	}
+	return out
+}
+
+func kubeRunsSubcommand(c *corev1.Container) bool {
+	return len(c.Args) > 0 && (c.Args[0] == "gateway" || c.Args[0] == "agent")
+}
+
+// kubeBuild builds the encgate binary from the module root.
+func kubeBuild(t *testing.T) string {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatalf("the go command is needed to build encgate: %v", err)
+	}
+	bin := filepath.Join(t.TempDir(), "encgate")
+	cmd := exec.Command(goBin, "build", "-o", bin, ".")
+	cmd.Dir = kubeModuleRoot
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// kubeFlags runs `encgate SUB -h` and returns the flags it defines, each
+// with whether it takes a value (flag's usage prints "-name type" for those,
+// "-name" for booleans).
+func kubeFlags(t *testing.T, bin, sub string) map[string]bool {
+	t.Helper()
+	var stderr bytes.Buffer
+	cmd := exec.Command(bin, sub, "-h")
+	cmd.Stderr = &stderr
+	err := cmd.Run()
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
+		t.Fatalf("%s %s -h: %v", bin, sub, err)
+	}
+	if !strings.HasPrefix(stderr.String(), "Usage of "+sub+":") {
+		t.Fatalf("encgate %s -h printed no flag usage: %q", sub, stderr.String())
+	}
+	flags := map[string]bool{}
+	line := regexp.MustCompile(`^  -([A-Za-z0-9_.-]+)(?: (\S+))?$`)
+	for l := range strings.SplitSeq(stderr.String(), "\n") {
+		if m := line.FindStringSubmatch(l); m != nil {
+			flags[m[1]] = m[2] != ""
+		}
+	}
+	if len(flags) == 0 {
+		t.Fatalf("no flags parsed from encgate %s -h: %q", sub, stderr.String())
+	}
+	return flags
+}
+
+// kubeParseArgs checks args (after the subcommand) against flags as Go's
+// flag package parses them, and returns each flag's values.
+func kubeParseArgs(args []string, flags map[string]bool) (map[string][]string, error) {
+	got := map[string][]string{}
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if !strings.HasPrefix(a, "-") || a == "-" || a == "--" {
+			return nil, fmt.Errorf("argument %q is not a flag (the subcommands take none)", a)
+		}
+		name := strings.TrimPrefix(strings.TrimPrefix(a, "-"), "-")
+		name, value, hasValue := strings.Cut(name, "=")
+		takesValue, ok := flags[name]
+		switch {
+		case !ok:
+			return nil, fmt.Errorf("flag %q is not one the subcommand defines (it has %v)", a, slices.Sorted(maps.Keys(flags)))
+		case takesValue && !hasValue:
+			if i+1 == len(args) {
+				return nil, fmt.Errorf("flag %q needs a value", a)
+			}
+			i++
+			value = args[i]
+		case !takesValue && !hasValue:
+			value = "true"
+		}
+		got[name] = append(got[name], value)
+	}
+	return got, nil
+}
+
+// kubeFile is a file a container sees, resolved to the volume behind it.
+type kubeFile struct {
+	mount  corev1.VolumeMount
+	volume corev1.Volume
+	key    string // the ConfigMap or Secret key
+	mode   int32  // the file's mode, for ConfigMap and Secret volumes
+}
+
+// kubeResolve finds which volume provides file p inside container c.
+func kubeResolve(ps *corev1.PodSpec, c *corev1.Container, p string) (kubeFile, error) {
+	var best *corev1.VolumeMount
+	for i := range c.VolumeMounts {
+		m := &c.VolumeMounts[i]
+		if m.SubPath != "" {
+			if p == m.MountPath {
+				best = m
+				break
+			}
+			continue
+		}
+		if strings.HasPrefix(p, strings.TrimSuffix(m.MountPath, "/")+"/") && (best == nil || len(m.MountPath) > len(best.MountPath)) {
+			best = m
+		}
+	}
+	if best == nil {
+		return kubeFile{}, fmt.Errorf("no volumeMount provides %s", p)
+	}
+	rel := best.SubPath
+	if rel == "" {
+		rel = strings.TrimPrefix(p, strings.TrimSuffix(best.MountPath, "/")+"/")
+	}
+	f := kubeFile{mount: *best}
+	i := slices.IndexFunc(ps.Volumes, func(v corev1.Volume) bool { return v.Name == best.Name })
+	if i < 0 {
+		return kubeFile{}, fmt.Errorf("volumeMount %s names no volume of the pod", best.Name)
+	}
+	f.volume = ps.Volumes[i]
+	keyOf := func(items []corev1.KeyToPath, def *int32) (string, int32, error) {
+		mode := int32(0o644) // the API's default for both volume kinds
+		if def != nil {
+			mode = *def
+		}
+		if len(items) == 0 {
+			if strings.Contains(rel, "/") {
+				return "", 0, fmt.Errorf("%s is not a key of volume %s", rel, best.Name)
+			}
+			return rel, mode, nil
+		}
+		for _, it := range items {
+			if it.Path == rel {
+				if it.Mode != nil {
+					mode = *it.Mode
+				}
+				return it.Key, mode, nil
+			}
+		}
+		return "", 0, fmt.Errorf("volume %s has no item with path %s", best.Name, rel)
+	}
+	var err error
+	switch v := f.volume.VolumeSource; {
+	case v.ConfigMap != nil:
+		f.key, f.mode, err = keyOf(v.ConfigMap.Items, v.ConfigMap.DefaultMode)
+	case v.Secret != nil:
+		f.key, f.mode, err = keyOf(v.Secret.Items, v.Secret.DefaultMode)
+	}
+	return f, err
+}
+
+// configMapFile returns the content of a file a container reads from a
+// ConfigMap of the kit.
+func (kit *kubeKit) configMapFile(ps *corev1.PodSpec, c *corev1.Container, p string) (string, error) {
+	f, err := kubeResolve(ps, c, p)
+	if err != nil {
+		return "", err
+	}
+	if f.volume.ConfigMap == nil {
+		return "", fmt.Errorf("%s comes from volume %s, not from a ConfigMap", p, f.volume.Name)
+	}
+	cm, ok := kit.configMaps[f.volume.ConfigMap.Name]
+	if !ok {
+		return "", fmt.Errorf("%s: the kit has no ConfigMap %s", p, f.volume.ConfigMap.Name)
+	}
+	data, ok := cm.Data[f.key]
+	if !ok {
+		return "", fmt.Errorf("%s: ConfigMap %s has no key %s", p, cm.Name, f.key)
+	}
+	return data, nil
+}
+
+// checkSecretFile checks that token file p comes from a Secret of the kit,
+// with a key it holds, in a mode that the token reader accepts (nothing
+// for others) and that the container's user can read (group, via fsGroup:
+// the kubelet writes the files as root). It returns the Secret's value.
+func (kit *kubeKit) checkSecretFile(ps *corev1.PodSpec, c *corev1.Container, p string) (string, error) {
+	f, err := kubeResolve(ps, c, p)
+	if err != nil {
+		return "", err
+	}
+	if f.volume.Secret == nil {
+		return "", fmt.Errorf("%s comes from volume %s, not from a Secret", p, f.volume.Name)
+	}
+	s, ok := kit.secrets[f.volume.Secret.SecretName]
+	if !ok {
+		return "", fmt.Errorf("%s: the kit has no Secret %s", p, f.volume.Secret.SecretName)
+	}
+	value, ok := s.StringData[f.key]
+	if !ok {
+		b, ok := s.Data[f.key]
+		if !ok {
+			return "", fmt.Errorf("%s: Secret %s has no key %s", p, s.Name, f.key)
+		}
+		value = string(b)
+	}
+	if f.mode&0o007 != 0 {
+		return "", fmt.Errorf("%s has mode %04o: the token reader refuses a file others may read (set defaultMode: 0440)", p, f.mode)
+	}
+	if f.mode&0o040 == 0 || ps.SecurityContext == nil || ps.SecurityContext.FSGroup == nil {
+		return "", fmt.Errorf("%s has mode %04o and the pod fsGroup %v: a root-owned file the non-root user cannot read", p, f.mode, kubeFSGroup(ps))
+	}
+	return value, nil
+}
+
+func kubeFSGroup(ps *corev1.PodSpec) any {
+	if ps.SecurityContext == nil || ps.SecurityContext.FSGroup == nil {
+		return "unset"
+	}
+	return *ps.SecurityContext.FSGroup
+}
+
+// kubeSetYAML sets the scalar at a dotted path ("control.token_file",
+// "encoders.0.agent_token_file") of a YAML document to value, as a string.
+func kubeSetYAML(t *testing.T, src string, sets map[string]string) string {
+	t.Helper()
+	var doc yaml.Node
+	if err := yaml.Unmarshal([]byte(src), &doc); err != nil {
+		t.Fatal(err)
+	}
+	for p, value := range sets {
+		n := doc.Content[0]
+		for seg := range strings.SplitSeq(p, ".") {
+			var next *yaml.Node
+			switch n.Kind {
+			case yaml.MappingNode:
+				for i := 0; i+1 < len(n.Content); i += 2 {
+					if n.Content[i].Value == seg {
+						next = n.Content[i+1]
+					}
+				}
+			case yaml.SequenceNode:
+				if i, err := strconv.Atoi(seg); err == nil && i >= 0 && i < len(n.Content) {
+					next = n.Content[i]
+				}
+			}
+			if next == nil {
+				t.Fatalf("the config has no %s", p)
+			}
+			n = next
+		}
+		*n = yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: value, Style: yaml.DoubleQuotedStyle}
+	}
+	out, err := yaml.Marshal(&doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out)
+}
+
+// kubeTokenFiles lists the token files a loaded config reads, by the YAML
+// path that names each.
+func kubeTokenFiles(sub string, cfg any) map[string]string {
+	out := map[string]string{}
+	switch sub {
+	case "gateway":
+		for i, e := range cfg.(gateway.Config).Encoders {
+			if e.AgentTokenFile != "" {
+				out[fmt.Sprintf("encoders.%d.agent_token_file", i)] = e.AgentTokenFile
+			}
+		}
+	case "agent":
+		if f := cfg.(gpuagent.Config).Control.TokenFile; f != "" {
+			out["control.token_file"] = f
+		}
+	}
+	return out
+}
+
+// kubeTestToken is what the test writes into the token files it makes.
+const kubeTestToken = "kube-test-token-0123456789abcdef"
+
+// kubeLoadConfig writes content to a temp file and loads it with the
+// subcommand's loader.
+func kubeLoadConfig(t *testing.T, sub, content string) (any, error) {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), sub+".yaml")
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if sub == "gateway" {
+		return gateway.LoadConfig(p)
+	}
+	return gpuagent.LoadConfig(p)
+}
+
+// kubeLocalConfig is a container's config, ready to load on this machine:
+// every token file it reads is rewritten to a placeholder file of mode 0600
+// in a temp dir, after checking that the Secret behind it is mounted right;
+// sets rewrites more keys (addresses, for a live run).
+func (kit *kubeKit) localConfig(t *testing.T, e kubeEncgateContainer, content string, sets map[string]string) (string, any) {
+	t.Helper()
+	sub := e.c.Args[0]
+	first, _ := kubeLoadConfig(t, sub, content) // may fail on the missing token files
+	all := map[string]string{}
+	for yp, file := range kubeTokenFiles(sub, first) {
+		if _, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file); err != nil {
+			t.Errorf("%s: %s (%s): %v", e, yp, file, err)
+		}
+		local := filepath.Join(t.TempDir(), "token")
+		if err := os.WriteFile(local, []byte(kubeTestToken+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		all[yp] = local
+	}
+	for k, v := range sets {
+		all[k] = v
+	}
+	if len(all) > 0 {
+		content = kubeSetYAML(t, content, all)
+	}
+	cfg, err := kubeLoadConfig(t, sub, content)
+	if err != nil {
+		t.Fatalf("%s: its config does not load: %v", e, err)
+	}
+	return content, cfg
+}
+
+// kubeAddrs is what a loaded config binds.
+type kubeAddrs struct{ listen, admin string }
+
+func kubeAddrsOf(sub string, cfg any) kubeAddrs {
+	if sub == "gateway" {
+		c := cfg.(gateway.Config)
+		return kubeAddrs{c.Listen, c.AdminListen}
+	}
+	c := cfg.(gpuagent.Config)
+	return kubeAddrs{c.Listen, c.AdminListen}
+}
+
+// kubePort is the port of a host:port.
+func kubePort(t *testing.T, addr string) (host string, port int32) {
+	t.Helper()
+	h, p, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatalf("address %q: %v", addr, err)
+	}
+	n, err := strconv.ParseInt(p, 10, 32)
+	if err != nil {
+		t.Fatalf("address %q: %v", addr, err)
+	}
+	return h, int32(n)
+}
+
+// kubeProbePort resolves a probe's port, a number or a container port's
+// name.
+func kubeProbePort(c *corev1.Container, p intstr.IntOrString) (int32, error) {
+	if p.Type == intstr.Int {
+		return p.IntVal, nil
+	}
+	for _, cp := range c.Ports {
+		if cp.Name == p.StrVal {
+			return cp.ContainerPort, nil
+		}
+	}
+	return 0, fmt.Errorf("no container port named %q", p.StrVal)
+}
+
+// kubeProbeWindow is how long a failing readiness probe takes to take the
+// pod out: periodSeconds x failureThreshold (the API's defaults 10 and 3).
+func kubeProbeWindow(p *corev1.Probe) time.Duration {
+	period, failures := p.PeriodSeconds, p.FailureThreshold
+	if period == 0 {
+		period = 10
+	}
+	if failures == 0 {
+		failures = 3
+	}
+	return time.Duration(period*failures) * time.Second
+}
+
+func kubeGrace(ps *corev1.PodSpec) time.Duration {
+	if ps.TerminationGracePeriodSeconds == nil {
+		return 30 * time.Second // the API's default
+	}
+	return time.Duration(*ps.TerminationGracePeriodSeconds) * time.Second
+}
+
+// TestKubeKustomizationListsEveryManifest: every resource the
+// kustomization lists exists, and every file of the kit is listed.
+func TestKubeKustomizationListsEveryManifest(t *testing.T) {
+	k := kubeReadKustomization(t)
+	if len(k.Resources) == 0 {
+		t.Fatal("kustomization.yaml lists no resources")
+	}
+	listed := map[string]bool{}
+	for _, r := range k.Resources {
+		if listed[r] {
+			t.Errorf("kustomization.yaml lists %s twice", r)
+		}
+		listed[r] = true
+		if fi, err := os.Stat(filepath.Join(kubeDir, r)); err != nil || !fi.Mode().IsRegular() {
+			t.Errorf("kustomization.yaml lists %s, which is not a file of %s: %v", r, kubeDir, err)
+		}
+	}
+	entries, err := os.ReadDir(kubeDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if e.Name() == "kustomization.yaml" {
+			continue
+		}
+		if !listed[e.Name()] {
+			t.Errorf("%s/%s is not in kustomization.yaml's resources", kubeDir, e.Name())
+		}
+	}
+	if k.Namespace == "" {
+		t.Error("kustomization.yaml sets no namespace")
+	}
+}
+
+// TestKubeDecoderIsStrict: the decoder the other tests rely on refuses an
+// unknown field, an unknown kind, a wrong apiVersion and a repeated key.
+func TestKubeDecoderIsStrict(t *testing.T) {
+	good := "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\nspec:\n  replicas: 2\n"
+	if docs, err := kubeDecodeStream("good", []byte("# c\n---\n"+good+"---\n")); err != nil || len(docs) != 1 {
+		t.Fatalf("a plain Deployment: %v, %d documents", err, len(docs))
+	}
+	for name, doc := range map[string]string{
+		"unknown field": strings.Replace(good, "replicas", "replica", 1),
+		"unknown kind":  "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\n",
+		"wrong version": strings.Replace(good, "apps/v1", "apps/v1beta1", 1),
+		"repeated key":  good + "  replicas: 3\n",
+		"no name":       "apiVersion: v1\nkind: ConfigMap\nmetadata: {}\n",
+	} {
+		if _, err := kubeDecodeStream(name, []byte(doc)); err == nil {
+			t.Errorf("%s: decoded without an error", name)
+		}
+	}
+}
+
+// TestKubeManifestsDecodeStrictly: every document of every listed file is
+// one of the kit's kinds and decodes into its API type with no unknown
+// field; none sets a namespace other than the kustomization's.
+func TestKubeManifestsDecodeStrictly(t *testing.T) {
+	kit := kubeLoad(t)
+	kinds := map[string]int{}
+	for _, d := range kit.docs {
+		kinds[d.kind]++
+		if d.ns != "" && d.ns != kit.namespace {
+			t.Errorf("%s: %s/%s is in namespace %q, the kustomization puts everything in %q", d.where, d.kind, d.name, d.ns, kit.namespace)
+		}
+		if ns, ok := d.obj.(*corev1.Namespace); ok && ns.Name != kit.namespace {
+			t.Errorf("%s: Namespace %s is not the kustomization's namespace %s", d.where, ns.Name, kit.namespace)
+		}
+	}
+	for _, k := range []string{"Deployment", "DaemonSet", "Service", "ConfigMap", "Secret", "PodDisruptionBudget"} {
+		if kinds[k] == 0 {
+			t.Errorf("the kit has no %s", k)
+		}
+	}
+	for _, w := range kit.workloads {
+		if !kubeSelects(t, w.selector, w.pod.Labels) {
+			t.Errorf("%s: its selector %v does not match its pod template's labels %v", w, w.selector, w.pod.Labels)
+		}
+	}
+}
+
+// TestKubeEncgateContainers: every container of the encgate image names it
+// exactly, runs `gateway` or `agent` with flags that subcommand defines,
+// reads a config from a ConfigMap that the subcommand's loader (and its
+// --check) accepts, probes paths the admin listener serves on the port the
+// config's admin_listen binds, and publishes the ports its config listens
+// on.
+func TestKubeEncgateContainers(t *testing.T) {
+	kit := kubeLoad(t)
+	bin := kubeBuild(t)
+	flags := map[string]map[string]bool{"gateway": kubeFlags(t, bin, "gateway"), "agent": kubeFlags(t, bin, "agent")}
+	runs := map[string][]string{}
+	for _, e := range kit.encgateContainers() {
+		t.Run(e.w.name+"/"+e.c.Name, func(t *testing.T) {
+			c, ps := e.c, &e.w.pod.Spec
+			if c.Image != kubeImage {
+				t.Errorf("image %q, want %q (what deploy/image builds)", c.Image, kubeImage)
+			}
+			if e.init {
+				t.Fatalf("an init container runs the encgate image")
+			}
+			if len(c.Command) != 0 {
+				t.Errorf("command %q: the image's entrypoint is /encgate; give the subcommand in args", c.Command)
+			}
+			if !kubeRunsSubcommand(c) {
+				t.Fatalf("args %q: the first must be gateway or agent", c.Args)
+			}
+			sub := c.Args[0]
+			runs[sub] = append(runs[sub], e.String())
+			got, err := kubeParseArgs(c.Args[1:], flags[sub])
+			if err != nil {
+				t.Fatalf("args %q: %v", c.Args, err)
+			}
+			if got["check"] != nil {
+				t.Errorf("args %q: --check validates and exits", c.Args)
+			}
+			if len(got["config"]) != 1 {
+				t.Fatalf("args %q: want --config once", c.Args)
+			}
+			configPath := got["config"][0]
+			content, err := kit.configMapFile(ps, c, configPath)
+			if err != nil {
+				t.Fatalf("--config %s: %v", configPath, err)
+			}
+			local, cfg := kit.localConfig(t, e, content, nil)
+
+			// The same loader through the binary's --check.
+			p := filepath.Join(t.TempDir(), sub+".yaml")
+			if err := os.WriteFile(p, []byte(local), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			out, err := exec.Command(bin, sub, "--config", p, "--check").CombinedOutput()
+			if err != nil {
+				var tooSmall *gateway.DescriptorError
+				if sub == "gateway" {
+					if _, derr := gateway.Descriptors(cfg.(gateway.Config), nil, false); errors.As(derr, &tooSmall) {
+						t.Logf("--check refused the config on this machine's RLIMIT_NOFILE only: %s", out)
+						err = nil
+					}
+				}
+				if err != nil {
+					t.Errorf("encgate %s --config (the ConfigMap's) --check: %v\n%s", sub, err, out)
+				}
+			}
+
+			// Every address the config binds is reachable from the kubelet
+			// and the Services (not loopback), and published as a port.
+			addrs := kubeAddrsOf(sub, cfg)
+			published := map[int32]bool{}
+			for _, cp := range c.Ports {
+				published[cp.ContainerPort] = true
+			}
+			binds := []string{addrs.listen, addrs.admin}
+			if sub == "gateway" {
+				if b := cfg.(gateway.Config).Bootstrap.Listen; b != "" {
+					binds = append(binds, b)
+				}
+			}
+			for _, a := range binds {
+				host, port := kubePort(t, a)
+				if ip := net.ParseIP(host); host != "" && (ip == nil || !ip.IsUnspecified()) {
+					t.Errorf("the config binds %s: only the pod itself reaches it; bind 0.0.0.0", a)
+				}
+				if !published[port] {
+					t.Errorf("the config listens on %s, but no containerPort is %d", a, port)
+				}
+			}
+			_, adminPort := kubePort(t, addrs.admin)
+
+			probes := map[string]*corev1.Probe{"readinessProbe": c.ReadinessProbe, "livenessProbe": c.LivenessProbe, "startupProbe": c.StartupProbe}
+			for name, want := range map[string]string{"readinessProbe": "/readyz", "livenessProbe": "/healthz"} {
+				pr := probes[name]
+				if pr == nil || pr.HTTPGet == nil {
+					t.Errorf("no %s with httpGet", name)
+					continue
+				}
+				if pr.HTTPGet.Path != want {
+					t.Errorf("%s on %s, want %s", name, pr.HTTPGet.Path, want)
+				}
+			}
+			for name, pr := range probes {
+				if pr == nil {
+					continue
+				}
+				if pr.HTTPGet == nil {
+					t.Errorf("%s is not an httpGet probe", name)
+					continue
+				}
+				if !slices.Contains(kubeServedPaths, pr.HTTPGet.Path) {
+					t.Errorf("%s on %s: the admin listener serves %v without a token", name, pr.HTTPGet.Path, kubeServedPaths)
+				}
+				port, err := kubeProbePort(c, pr.HTTPGet.Port)
+				if err != nil {
+					t.Errorf("%s: %v", name, err)
+				} else if port != adminPort {
+					t.Errorf("%s on port %d, but admin_listen is %s", name, port, addrs.admin)
+				}
+				if s := pr.HTTPGet.Scheme; s != "" && s != corev1.URISchemeHTTP {
+					t.Errorf("%s scheme %s: the admin listener is plain HTTP", name, s)
+				}
+			}
+			if a := e.w.pod.Annotations; a["prometheus.io/scrape"] == "true" {
+				if a["prometheus.io/port"] != strconv.Itoa(int(adminPort)) {
+					t.Errorf("prometheus.io/port %q, but admin_listen is %s", a["prometheus.io/port"], addrs.admin)
+				}
+				if p := a["prometheus.io/path"]; p != "/metrics" {
+					t.Errorf("prometheus.io/path %q, want /metrics", p)
+				}
+			}
+
+			switch sub {
+			case "gateway":
+				g := cfg.(gateway.Config)
+				if c.ReadinessProbe == nil {
+					break
+				}
+				ready := kubeProbeWindow(c.ReadinessProbe)
+				if d := g.Shutdown.Delay.D(); d < ready {
+					t.Errorf("shutdown.delay %s is shorter than the readiness probe's periodSeconds x failureThreshold (%s): the pod still gets traffic when its listener closes", d, ready)
+				}
+				if tg, need := kubeGrace(ps), g.Shutdown.Delay.D()+g.Shutdown.Grace.D(); tg <= need {
+					t.Errorf("terminationGracePeriodSeconds %s is not above shutdown.delay + shutdown.grace (%s): the kubelet kills a drain within its grace", tg, need)
+				}
+			case "agent":
+				a := cfg.(gpuagent.Config)
+				if tg := kubeGrace(ps); tg <= a.Shutdown.Grace.D() {
+					t.Errorf("terminationGracePeriodSeconds %s is not above shutdown.grace %s", tg, a.Shutdown.Grace.D())
+				}
+				limit := c.Resources.Limits[corev1.ResourceMemory]
+				if limit.IsZero() || limit.Value() <= int64(a.Staging.CapacityBytes) {
+					t.Errorf("memory limit %s is not above staging.capacity_bytes %s: the staged embeddings are the agent's own memory", limit.String(), a.Staging.CapacityBytes)
+				}
+				kubeCheckSocketDir(t, ps, c, a.Control.Socket)
+			}
+		})
+	}
+	if len(runs["gateway"]) != 1 || len(runs["agent"]) != 1 {
+		t.Errorf("want one gateway and one agent container, got %v", runs)
+	}
+}
+
+// kubeCheckSocketDir checks that the agent's control socket is in a
+// writable hostPath directory: the node's encoder pods reach it there.
+func kubeCheckSocketDir(t *testing.T, ps *corev1.PodSpec, c *corev1.Container, socket string) {
+	t.Helper()
+	f, err := kubeResolve(ps, c, socket)
+	if err != nil {
+		t.Errorf("control.socket %s: %v", socket, err)
+		return
+	}
+	hp := f.volume.HostPath
+	if hp == nil || filepath.Dir(socket) != filepath.Clean(f.mount.MountPath) {
+		t.Errorf("control.socket %s is not directly in a hostPath mount (volume %s at %s): the encoder pods on the node cannot reach it", socket, f.volume.Name, f.mount.MountPath)
+		return
+	}
+	if f.mount.ReadOnly {
+		t.Errorf("control.socket's directory %s is mounted read-only: the agent binds the socket there", f.mount.MountPath)
+	}
+	if hp.Type == nil || (*hp.Type != corev1.HostPathDirectoryOrCreate && *hp.Type != corev1.HostPathDirectory) {
+		t.Errorf("hostPath %s has type %v, want DirectoryOrCreate or Directory", hp.Path, hp.Type)
+	}
+	// The kubelet creates the directory as root: an init container must
+	// hand it to the agent's user before the agent binds there.
+	uid := kubeRunAsUser(ps, c)
+	handed := false
+	for _, ic := range ps.InitContainers {
+		mounted := slices.ContainsFunc(ic.VolumeMounts, func(m corev1.VolumeMount) bool {
+			return m.Name == f.volume.Name && !m.ReadOnly
+		})
+		if mounted && len(ic.Command) >= 3 && ic.Command[0] == "chown" && slices.Contains(ic.Command, hp.Path) && uid != nil &&
+			strings.HasPrefix(ic.Command[1], strconv.FormatInt(*uid, 10)+":") {
+			handed = true
+		}
+	}
+	if !handed {
+		t.Errorf("no init container chowns %s to the agent's uid %v", hp.Path, uid)
+	}
+}
+
+func kubeRunAsUser(ps *corev1.PodSpec, c *corev1.Container) *int64 {
+	if c.SecurityContext != nil && c.SecurityContext.RunAsUser != nil {
+		return c.SecurityContext.RunAsUser
+	}
+	if ps.SecurityContext != nil {
+		return ps.SecurityContext.RunAsUser
+	}
+	return nil
+}
+
+// TestKubeEveryContainerIsLockedDown: every container has resource
+// requests and a memory limit, a read-only root filesystem, no privilege
+// escalation, no capabilities, the runtime's seccomp profile, and runs as
+// a non-root user; encgate's as 65532. The one exception: an init
+// container may run as root with CHOWN alone (the agent's socket
+// directory). No pod shares the node's network, PIDs or IPC.
+func TestKubeEveryContainerIsLockedDown(t *testing.T) {
+	kit := kubeLoad(t)
+	for _, w := range kit.workloads {
+		ps := &w.pod.Spec
+		if ps.HostNetwork || ps.HostPID || ps.HostIPC {
+			t.Errorf("%s shares the node's network, PIDs or IPC", w)
+		}
+		if ps.AutomountServiceAccountToken == nil || *ps.AutomountServiceAccountToken {
+			t.Errorf("%s mounts a service account token; nothing in the kit talks to the API", w)
+		}
+		inits := map[string]bool{}
+		for _, ic := range ps.InitContainers {
+			inits[ic.Name] = true
+		}
+		for _, c := range kubeContainers(ps) {
+			where := fmt.Sprintf("%s container %s", w, c.Name)
+			for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
+				if q, ok := c.Resources.Requests[r]; !ok || q.Cmp(resource.MustParse("0")) <= 0 {
+					t.Errorf("%s: no %s request", where, r)
+				}
+			}
+			if q, ok := c.Resources.Limits[corev1.ResourceMemory]; !ok || q.Cmp(c.Resources.Requests[corev1.ResourceMemory]) < 0 {
+				t.Errorf("%s: no memory limit at or above its request", where)
+			}
+			sc := c.SecurityContext
+			if sc == nil {
+				t.Errorf("%s: no securityContext", where)
+				continue
+			}
+			if sc.Privileged != nil && *sc.Privileged {
+				t.Errorf("%s is privileged", where)
+			}
+			if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+				t.Errorf("%s: readOnlyRootFilesystem is not true", where)
+			}
+			if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+				t.Errorf("%s: allowPrivilegeEscalation is not false", where)
+			}
+			var added []corev1.Capability
+			if sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL") {
+				t.Errorf("%s: capabilities do not drop ALL", where)
+			} else {
+				added = sc.Capabilities.Add
+			}
+			seccomp := sc.SeccompProfile
+			if seccomp == nil && ps.SecurityContext != nil {
+				seccomp = ps.SecurityContext.SeccompProfile
+			}
+			if seccomp == nil || seccomp.Type != corev1.SeccompProfileTypeRuntimeDefault {
+				t.Errorf("%s: seccompProfile is not RuntimeDefault", where)
+			}
+			nonRoot := sc.RunAsNonRoot
+			if nonRoot == nil && ps.SecurityContext != nil {
+				nonRoot = ps.SecurityContext.RunAsNonRoot
+			}
+			uid := kubeRunAsUser(ps, c)
+			chownOnly := inits[c.Name] && slices.Equal(added, []corev1.Capability{"CHOWN"})
+			switch {
+			case chownOnly && uid != nil && *uid == 0:
+				// The socket directory's init container: root, CHOWN only.
+			case len(added) > 0:
+				t.Errorf("%s adds capabilities %v", where, added)
+				fallthrough
+			default:
+				if nonRoot == nil || !*nonRoot {
+					t.Errorf("%s: runAsNonRoot is not true", where)
+				}
+				if uid == nil || *uid == 0 {
+					t.Errorf("%s: no non-root runAsUser", where)
+				}
+			}
+			if kubeIsEncgateImage(c.Image) && (uid == nil || *uid != 65532) {
+				t.Errorf("%s: runAsUser %v, want 65532 (the image's user)", where, uid)
+			}
+		}
+	}
+}
+
+// TestKubeGatewayDeployment: two replicas, rolled one at a time without
+// going below them, a PodDisruptionBudget that selects exactly its pods and
+// lets one go, and the Service of its encoder-facing port keeps a client on
+// one replica (pins are per replica).
+func TestKubeGatewayDeployment(t *testing.T) {
+	kit := kubeLoad(t)
+	var gw *kubeWorkload
+	for _, e := range kit.encgateContainers() {
+		if kubeRunsSubcommand(e.c) && e.c.Args[0] == "gateway" {
+			gw = &e.w
+		}
+	}
+	if gw == nil || gw.kind != "Deployment" {
+		t.Fatalf("the gateway does not run as a Deployment: %v", gw)
+	}
+	if gw.replicas == nil || *gw.replicas != 2 {
+		t.Errorf("%s: replicas %s, want 2", gw, kubeCount(gw.replicas))
+	}
+	d := kit.docByName(t, "Deployment", gw.name).(*appsv1.Deployment)
+	if ru := d.Spec.Strategy.RollingUpdate; ru == nil || ru.MaxUnavailable == nil || ru.MaxUnavailable.String() != "0" {
+		t.Errorf("%s: a rolling update may take a replica down before its successor is ready (maxUnavailable %v)", gw, ru)
+	}
+	found := 0
+	for _, pdb := range kit.pdbs {
+		if !kubeSelects(t, pdb.Spec.Selector, gw.pod.Labels) {
+			continue
+		}
+		found++
+		for _, w := range kit.workloads {
+			if w.name != gw.name && kubeSelects(t, pdb.Spec.Selector, w.pod.Labels) {
+				t.Errorf("PodDisruptionBudget %s also selects %s", pdb.Name, w)
+			}
+		}
+		switch {
+		case pdb.Spec.MinAvailable != nil && pdb.Spec.MaxUnavailable == nil:
+			n := pdb.Spec.MinAvailable
+			if n.Type != intstr.Int || n.IntVal < 1 || gw.replicas == nil || n.IntVal >= *gw.replicas {
+				t.Errorf("PodDisruptionBudget %s: minAvailable %s of %s replicas: want at least 1 and fewer than all (or no drain can ever proceed)", pdb.Name, n.String(), kubeCount(gw.replicas))
+			}
+		case pdb.Spec.MaxUnavailable != nil && pdb.Spec.MinAvailable == nil:
+			if n := pdb.Spec.MaxUnavailable; n.Type != intstr.Int || n.IntVal != 1 {
+				t.Errorf("PodDisruptionBudget %s: maxUnavailable %s, want 1", pdb.Name, n.String())
+			}
+		default:
+			t.Errorf("PodDisruptionBudget %s: set exactly one of minAvailable and maxUnavailable", pdb.Name)
+		}
+	}
+	if found != 1 {
+		t.Errorf("%d PodDisruptionBudgets select the gateway's pods %v, want 1", found, gw.pod.Labels)
+	}
+	for _, s := range kit.services {
+		if kubeSubset(s.Spec.Selector, gw.pod.Labels) && slices.ContainsFunc(s.Spec.Ports, func(p corev1.ServicePort) bool { return p.TargetPort.String() == "http" }) {
+			if s.Spec.SessionAffinity != corev1.ServiceAffinityClientIP {
+				t.Errorf("Service %s spreads one client's calls over the replicas (sessionAffinity %q): a follow-up on the replica without its pin waits affinity.unknown_wait", s.Name, s.Spec.SessionAffinity)
+			}
+			return
+		}
+	}
+	t.Error("no Service targets the gateway's http port")
+}
+
+// kubeCount writes a replica count; unset is the API's default, 1.
+func kubeCount(n *int32) string {
+	if n == nil {
+		return "unset (1)"
+	}
+	return strconv.Itoa(int(*n))
+}
+
+func (kit *kubeKit) docByName(t *testing.T, kind, name string) any {
+	t.Helper()
+	for _, d := range kit.docs {
+		if d.kind == kind && d.name == name {
+			return d.obj
+		}
+	}
+	t.Fatalf("the kit has no %s/%s", kind, name)
+	return nil
+}
+
+// TestKubeServicesSelectPodsAndNamedPorts: every Service selects the pods
+// of one workload of the kit, and every port targets, by name, a port
+// those pods' containers declare.
+func TestKubeServicesSelectPodsAndNamedPorts(t *testing.T) {
+	kit := kubeLoad(t)
+	for _, s := range kit.services {
+		var selected []kubeWorkload
+		for _, w := range kit.workloads {
+			if kubeSubset(s.Spec.Selector, w.pod.Labels) {
+				selected = append(selected, w)
+			}
+		}
+		if len(selected) != 1 {
+			t.Errorf("Service %s (selector %v) selects %d workloads, want 1", s.Name, s.Spec.Selector, len(selected))
+			continue
+		}
+		w := selected[0]
+		if len(s.Spec.Ports) == 0 {
+			t.Errorf("Service %s has no ports", s.Name)
+		}
+		for _, p := range s.Spec.Ports {
+			if p.Protocol != "" && p.Protocol != corev1.ProtocolTCP {
+				t.Errorf("Service %s port %s: protocol %s, every listener is TCP", s.Name, p.Name, p.Protocol)
+			}
+			target := p.TargetPort
+			if target.Type != intstr.String {
+				t.Errorf("Service %s port %s targets %s: name the container port, so that a renumbered port cannot be missed", s.Name, p.Name, target.String())
+				continue
+			}
+			ok := false
+			for _, c := range w.pod.Spec.Containers {
+				for _, cp := range c.Ports {
+					if cp.Name == target.StrVal {
+						ok = true
+					}
+				}
+			}
+			if !ok {
+				t.Errorf("Service %s port %s targets %s, which no container of %s declares", s.Name, p.Name, target.String(), w)
+			}
+		}
+	}
+}
+
+// TestKubeGatewayUsesTheKitsRedis: the gateway config stores /send records
+// in Redis, at the address of the kit's Redis Service, whose port reaches
+// a Redis container.
+func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
+	kit := kubeLoad(t)
+	for _, e := range kit.encgateContainers() {
+		if !kubeRunsSubcommand(e.c) || e.c.Args[0] != "gateway" {
+			continue
+		}
+		got, err := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
+		if err != nil || len(got["config"]) != 1 {
+			t.Fatalf("%s: args %q: %v", e, e.c.Args, err)
+		}
+		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, loaded := kit.localConfig(t, e, content, nil)
+		cfg := loaded.(gateway.Config)
+		if cfg.Idempotency.Store != "redis" {
+			t.Fatalf("idempotency.store %q: the replicas must share /send records (redis)", cfg.Idempotency.Store)
+		}
+		host, port := kubePort(t, cfg.Idempotency.Redis.Addr)
+		name := strings.TrimSuffix(host, ".")
+		var svc *corev1.Service
+		for _, s := range kit.services {
+			for _, n := range []string{s.Name, s.Name + "." + kit.namespace, s.Name + "." + kit.namespace + ".svc", s.Name + "." + kit.namespace + ".svc.cluster.local"} {
+				if name == n {
+					svc = s
+				}
+			}
+		}
+		if svc == nil {
+			t.Fatalf("idempotency.redis.addr %s names no Service of the kit (in namespace %s)", cfg.Idempotency.Redis.Addr, kit.namespace)
+		}
+		var sp *corev1.ServicePort
+		for i := range svc.Spec.Ports {
+			if svc.Spec.Ports[i].Port == port {
+				sp = &svc.Spec.Ports[i]
+			}
+		}
+		if sp == nil {
+			t.Fatalf("idempotency.redis.addr %s: Service %s has no port %d", cfg.Idempotency.Redis.Addr, svc.Name, port)
+		}
+		for _, w := range kit.workloads {
+			if !kubeSubset(svc.Spec.Selector, w.pod.Labels) {
+				continue
+			}
+			for _, c := range w.pod.Spec.Containers {
+				for _, cp := range c.Ports {
+					if cp.Name == sp.TargetPort.String() || strconv.Itoa(int(cp.ContainerPort)) == sp.TargetPort.String() {
+						if !strings.HasPrefix(path.Base(c.Image), "redis:") || !slices.Contains(c.Args, "redis-server") {
+							t.Errorf("Service %s reaches %s (image %s, args %q), not a redis-server", svc.Name, w, c.Image, c.Args)
+						}
+						if w.replicas == nil || *w.replicas != 1 {
+							t.Errorf("%s: replicas %s: the minimal Redis is one server", w, kubeCount(w.replicas))
+						}
+						return
+					}
+				}
+			}
+		}
+		t.Fatalf("Service %s port %d reaches no container", svc.Name, port)
+	}
+	t.Fatal("no gateway container")
+}
+
+// kubeKeyPaths lists the dotted key paths of a YAML document's mappings
+// (lists are not entered: their entries are examples).
+func kubeKeyPaths(t *testing.T, src string) map[string]bool {
+	t.Helper()
+	var doc yaml.Node
+	if err := yaml.Unmarshal([]byte(src), &doc); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]bool{}
+	var walk func(prefix string, n *yaml.Node)
+	walk = func(prefix string, n *yaml.Node) {
+		if n.Kind != yaml.MappingNode {
+			return
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			p := prefix + n.Content[i].Value
+			out[p] = true
+			walk(p+".", n.Content[i+1])
+		}
+	}
+	if len(doc.Content) > 0 {
+		walk("", doc.Content[0])
+	}
+	return out
+}
+
+// TestKubeConfigsAreComplete: the ConfigMaps' configs write every key the
+// example configs (configs/*.yaml, which show every key) have, so that an
+// operator reads each setting in force where it is set.
+func TestKubeConfigsAreComplete(t *testing.T) {
+	kit := kubeLoad(t)
+	checked := 0
+	for _, e := range kit.encgateContainers() {
+		if !kubeRunsSubcommand(e.c) {
+			continue
+		}
+		sub := e.c.Args[0]
+		got, err := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
+		if err != nil || len(got["config"]) != 1 {
+			t.Fatalf("%s: args %q: %v", e, e.c.Args, err)
+		}
+		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		example, err := os.ReadFile(filepath.Join(kubeModuleRoot, "configs", sub+".yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		have := kubeKeyPaths(t, content)
+		for k := range kubeKeyPaths(t, string(example)) {
+			if !have[k] {
+				t.Errorf("%s: the config leaves out %s (configs/%s.yaml has it)", e, k, sub)
+			}
+		}
+		checked++
+	}
+	if checked != 2 {
+		t.Errorf("checked %d configs, want the gateway's and the agent's", checked)
+	}
+}
+
+// TestKubeTokenPlaceholderIsRefused: the Secret's placeholder is not a
+// token the agent accepts, so the kit applied unchanged never runs with a
+// token that is published here.
+func TestKubeTokenPlaceholderIsRefused(t *testing.T) {
+	kit := kubeLoad(t)
+	checked := 0
+	for _, e := range kit.encgateContainers() {
+		if !kubeRunsSubcommand(e.c) || e.c.Args[0] != "agent" {
+			continue
+		}
+		got, _ := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
+		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, _ := kubeLoadConfig(t, "agent", content)
+		for yp, file := range kubeTokenFiles("agent", first) {
+			value, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file)
+			if err != nil {
+				t.Fatalf("%s: %v", yp, err)
+			}
+			local := filepath.Join(t.TempDir(), "token")
+			if err := os.WriteFile(local, []byte(value), 0o440); err != nil {
+				t.Fatal(err)
+			}
+			_, err = kubeLoadConfig(t, "agent", kubeSetYAML(t, content, map[string]string{yp: local}))
+			if err == nil || !strings.Contains(err.Error(), yp) {
+				t.Errorf("the agent accepts the Secret's placeholder as its token (%s): %v", yp, err)
+			}
+			if strings.Contains(fmt.Sprint(err), value) {
+				t.Errorf("the agent's error quotes the token: %v", err)
+			}
+			checked++
+		}
+	}
+	if checked == 0 {
+		t.Fatal("the agent reads no token file")
+	}
+}
+
+// kubeProcess is a running encgate with its JSON log lines.
+type kubeProcess struct {
+	cmd   *exec.Cmd
+	lines chan map[string]any
+	log   *bytes.Buffer // every line, for failure messages
+	done  chan struct{} // closed when stderr ends
+}
+
+func kubeStart(t *testing.T, bin string, args []string) *kubeProcess {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &kubeProcess{cmd: cmd, lines: make(chan map[string]any, 1024), log: new(bytes.Buffer), done: make(chan struct{})}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(p.done)
+		defer close(p.lines)
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			p.log.WriteString(sc.Text() + "\n")
+			var m map[string]any
+			if json.Unmarshal(sc.Bytes(), &m) == nil {
+				select {
+				case p.lines <- m:
+				default: // nobody waits for that many lines
+				}
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-p.done
+		_ = cmd.Wait()
+	})
+	return p
+}
+
+// waitFor returns the first log line whose msg is msg; it fails the test
+// when the process ends first, or after a minute.
+func (p *kubeProcess) waitFor(t *testing.T, msg string) map[string]any {
+	t.Helper()
+	timeout := time.NewTimer(time.Minute)
+	defer timeout.Stop()
+	for {
+		select {
+		case m, ok := <-p.lines:
+			if !ok {
+				t.Fatalf("encgate ended before logging %q:\n%s", msg, p.logText())
+			}
+			if m["msg"] == msg {
+				return m
+			}
+		case <-timeout.C:
+			t.Fatalf("no %q log line within a minute", msg)
+		}
+	}
+}
+
+func (p *kubeProcess) logText() string {
+	<-p.done
+	return p.log.String()
+}
+
+func kubeGet(t *testing.T, url, token string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode
+}
+
+// TestKubeProbesAnswerOnTheRealProcesses runs each encgate container's
+// args on its ConfigMap's config (addresses moved to loopback, token files
+// and the Redis address to the test's own) and asks each of its probe
+// paths where the probe points: 200. The gateway's drain is what the
+// probes are sized for: after SIGTERM /readyz fails while /healthz passes
+// and the listener still accepts.
+func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
+	kit := kubeLoad(t)
+	bin := kubeBuild(t)
+	for _, e := range kit.encgateContainers() {
+		if !kubeRunsSubcommand(e.c) {
+			continue
+		}
+		sub := e.c.Args[0]
+		t.Run(sub, func(t *testing.T) {
+			got, err := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
+			if err != nil || len(got["config"]) != 1 {
+				t.Fatalf("%s: args %q: %v", e, e.c.Args, err)
+			}
+			content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			sets := map[string]string{"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}
+			var sockDir string
+			switch sub {
+			case "gateway":
+				sets["bootstrap.listen"] = "127.0.0.1:0"
+				sets["idempotency.redis.addr"] = redistest.Start(t).Addr()
+			case "agent":
+				// Short: a Unix socket path has 107 bytes at most.
+				sockDir, err = os.MkdirTemp("", "kube")
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { os.RemoveAll(sockDir) })
+				sets["control.socket"] = filepath.Join(sockDir, "agent.sock")
+			}
+			local, cfg := kit.localConfig(t, e, content, sets)
+			if sub == "gateway" {
+				if _, err := gateway.Descriptors(cfg.(gateway.Config), nil, false); err != nil {
+					t.Skipf("the config cannot start on this machine: %v", err)
+				}
+			}
+			p := filepath.Join(t.TempDir(), sub+".yaml")
+			if err := os.WriteFile(p, []byte(local), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			args := slices.Clone(e.c.Args)
+			args[slices.Index(args, got["config"][0])] = p
+			proc := kubeStart(t, bin, args)
+			ready := proc.waitFor(t, sub+" listening")
+			admin, _ := ready["admin_listen"].(string)
+			listen, _ := ready["listen"].(string)
+			if admin == "" || listen == "" {
+				t.Fatalf("the %q line names no addresses: %v", sub+" listening", ready)
+			}
+			paths := []string{}
+			for _, pr := range []*corev1.Probe{e.c.ReadinessProbe, e.c.LivenessProbe, e.c.StartupProbe} {
+				if pr != nil && pr.HTTPGet != nil {
+					paths = append(paths, pr.HTTPGet.Path)
+				}
+			}
+			if a := e.w.pod.Annotations["prometheus.io/path"]; a != "" {
+				paths = append(paths, a)
+			}
+			if len(paths) < 2 {
+				t.Fatalf("%s has %d httpGet probes", e, len(paths))
+			}
+			for _, pth := range paths {
+				if code := kubeGet(t, "http://"+admin+pth, ""); code != http.StatusOK {
+					t.Errorf("GET %s on admin_listen: %d, want 200", pth, code)
+				}
+			}
+			switch sub {
+			case "agent":
+				// The TCP door took the token file: 401 without it, not with it.
+				if code := kubeGet(t, "http://"+listen+"/v1/receiver", ""); code != http.StatusUnauthorized {
+					t.Errorf("GET /v1/receiver without the token: %d, want 401", code)
+				}
+				if code := kubeGet(t, "http://"+listen+"/v1/receiver", kubeTestToken); code == http.StatusUnauthorized {
+					t.Errorf("GET /v1/receiver with the token: 401")
+				}
+				if fi, err := os.Lstat(sets["control.socket"]); err != nil || fi.Mode()&fs.ModeSocket == 0 {
+					t.Errorf("no control socket at %s: %v", sets["control.socket"], err)
+				}
+				if err := proc.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+				<-proc.done
+				if err := proc.cmd.Wait(); err != nil {
+					t.Errorf("the agent did not drain cleanly on SIGTERM: %v\n%s", err, proc.logText())
+				}
+			case "gateway":
+				if err := proc.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+				// Logged once /readyz answers 503; the listener stays open for
+				// shutdown.delay after it (15s: far longer than these checks).
+				proc.waitFor(t, "draining: not ready")
+				if code := kubeGet(t, "http://"+admin+e.c.ReadinessProbe.HTTPGet.Path, ""); code != http.StatusServiceUnavailable {
+					t.Errorf("readiness probe while draining: %d, want 503", code)
+				}
+				if code := kubeGet(t, "http://"+admin+e.c.LivenessProbe.HTTPGet.Path, ""); code != http.StatusOK {
+					t.Errorf("liveness probe while draining: %d, want 200 (or the kubelet restarts a draining gateway)", code)
+				}
+				conn, err := net.DialTimeout("tcp", listen, 5*time.Second)
+				if err != nil {
+					t.Errorf("the listener refused a connection within shutdown.delay: %v", err)
+				} else {
+					conn.Close()
+				}
+			}
+		})
+	}
+}
+
+// TestKubeKustomizeBuild renders the kit with kubectl's kustomize (when
+// kubectl is installed): it builds, everything lands in the
+// kustomization's namespace, and the rendered objects are the manifests'.
+func TestKubeKustomizeBuild(t *testing.T) {
+	kubectl, err := exec.LookPath("kubectl")
+	if err != nil {
+		t.Skip("kubectl is not installed")
+	}
+	kit := kubeLoad(t)
+	var stderr bytes.Buffer
+	cmd := exec.Command(kubectl, "kustomize", kubeDir)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("kubectl kustomize %s: %v\n%s", kubeDir, err, stderr.String())
+	}
+	docs, err := kubeDecodeStream("kustomize output", out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rendered, raw []string
+	for _, d := range docs {
+		rendered = append(rendered, d.kind+"/"+d.name)
+		if d.kind != "Namespace" && d.ns != kit.namespace {
+			t.Errorf("%s/%s rendered in namespace %q, want %q", d.kind, d.name, d.ns, kit.namespace)
+		}
+	}
+	for _, d := range kit.docs {
+		raw = append(raw, d.kind+"/"+d.name)
+	}
+	slices.Sort(rendered)
+	slices.Sort(raw)
+	if !slices.Equal(rendered, raw) {
+		t.Errorf("kustomize renders %v, the manifests hold %v", rendered, raw)
+	}
+}
