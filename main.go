@@ -27,6 +27,12 @@ import (
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
+
+	// The image (deploy/image) is built from scratch and holds no CA
+	// certificates: crypto/x509 uses these roots (Mozilla's, kept by
+	// x/crypto) only when the system offers none, so https encoders and
+	// agents verify inside the image too.
+	_ "golang.org/x/crypto/x509roots/fallback"
 )
 
 // version is set at build time with -ldflags "-X main.version=v1.2.3".
