@@ -204,21 +204,11 @@ func newResolver(addr string) *net.Resolver {
 // by source, so a second source that asks for it gets the collector the
 // first registered instead of a registration error.
 func discoveryErrors(reg prometheus.Registerer) *prometheus.CounterVec {
-	v := prometheus.NewCounterVec(prometheus.CounterOpts{
+	return registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "encgate_discovery_errors_total",
 		Help: "Discovery attempts that failed, by source (dns: a lookup that timed out or got SERVFAIL, REFUSED or a network error; " +
 			"the name keeps its last answer). An NXDOMAIN or empty answer is not an error: it empties that name's fleet.",
-	}, []string{"source"})
-	if err := reg.Register(v); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(*prometheus.CounterVec); ok {
-				return existing
-			}
-		}
-		panic(err) // a different metric under this name: a programming error, as with MustRegister
-	}
-	return v
+	}, []string{"source"}))
 }
 
 // lookupResult is the outcome of one name's lookup in a round.

@@ -332,10 +332,12 @@ type registrarMetrics struct {
 	unregisters   *prometheus.CounterVec
 }
 
-// selfRegisterOrReuse registers c on reg, or returns the collector of the same
-// description already there, so a Registrar rebuilt on reload shares its
-// predecessor's series instead of panicking.
-func selfRegisterOrReuse[T prometheus.Collector](reg prometheus.Registerer, c T) T {
+// registerOrReuse registers c on reg, or returns the collector of the same
+// description already there: a Registrar rebuilt on reload shares its
+// predecessor's series, and every discovery source counts its failures on
+// one encgate_discovery_errors_total. A different metric under the same name
+// is a programming error and panics, as with MustRegister.
+func registerOrReuse[T prometheus.Collector](reg prometheus.Registerer, c T) T {
 	if err := reg.Register(c); err != nil {
 		var are prometheus.AlreadyRegisteredError
 		if errors.As(err, &are) {
@@ -343,30 +345,30 @@ func selfRegisterOrReuse[T prometheus.Collector](reg prometheus.Registerer, c T)
 				return existing
 			}
 		}
-		panic(fmt.Sprintf("discovery: registering registrar metrics: %v", err))
+		panic(fmt.Sprintf("discovery: registering metrics: %v", err))
 	}
 	return c
 }
 
 func newRegistrarMetrics(reg prometheus.Registerer) registrarMetrics {
 	return registrarMetrics{
-		registrations: selfRegisterOrReuse(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		registrations: registerOrReuse(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "encgate_self_registrations",
 			Help: "The gateway's own URLs per sglang bootstrap server, by state: registered, pending (not yet accepted, or forgotten and being registered again) or unregistered (at shutdown).",
 		}, []string{"bootstrap", "state"})),
-		attempts: selfRegisterOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		attempts: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_self_registration_attempts_total",
 			Help: "Registration requests (POST /register_encoder_url) the gateway sent for itself, by bootstrap and result (ok, error).",
 		}, []string{"bootstrap", "result"})),
-		checks: selfRegisterOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		checks: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_self_registration_checks_total",
 			Help: "Reads of a bootstrap's list (GET /list_encoder_urls) to find forgotten registrations, by bootstrap and result (ok, error).",
 		}, []string{"bootstrap", "result"})),
-		forgotten: selfRegisterOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		forgotten: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_self_registration_forgotten_total",
 			Help: "The gateway's URLs a check found missing from a bootstrap's list (a language-server restart, typically), each then registered again.",
 		}, []string{"bootstrap"})),
-		unregisters: selfRegisterOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		unregisters: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_self_unregistrations_total",
 			Help: "Unregistration requests (DELETE /unregister_encoder_url) sent at shutdown, by bootstrap and result (ok, error).",
 		}, []string{"bootstrap", "result"})),

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"maps"
 	"sort"
 	"sync"
 	"time"
@@ -133,14 +134,7 @@ func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err er
 	if c == nil {
 		c = s.conf()
 	}
-	prevActive := make(map[string]upstream.EncoderConfig, len(f.active))
-	for k, v := range f.active {
-		prevActive[k] = v
-	}
-	prevDraining := make(map[string]upstream.EncoderConfig, len(f.draining))
-	for k, v := range f.draining {
-		prevDraining[k] = v
-	}
+	prevActive, prevDraining := maps.Clone(f.active), maps.Clone(f.draining)
 	list, left := f.merge(c.Encoders)
 	set := poolSettings(*c)
 	set.Encoders = list
