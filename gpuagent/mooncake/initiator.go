@@ -131,6 +131,32 @@ func NewInitiator(cfg InitiatorConfig) *Initiator {
 // Errors other than *RangeError and *RejectedError name the session and wrap
 // the cause; a ctx that ends the call is reported as ctx.Err() (errors.Is).
 func (i *Initiator) Write(ctx context.Context, sessionID string, addr uint64, payload []byte) (Result, error) {
+	return i.WriteFrom(ctx, sessionID, addr, bytesPayload(payload))
+}
+
+// Payload is what WriteFrom sends: Len bytes that Send writes in order. Send
+// is called once per attempt (twice when a stale descriptor or pooled
+// connection is retried), each time from the first byte; it must write
+// exactly Len bytes or fail, and stop when ctx ends or w fails.
+type Payload interface {
+	Len() int64
+	Send(ctx context.Context, w io.Writer) error
+}
+
+// bytesPayload is a payload in memory: header and bytes go out in one
+// writev, without a copy.
+type bytesPayload []byte
+
+func (b bytesPayload) Len() int64 { return int64(len(b)) }
+
+func (b bytesPayload) Send(_ context.Context, w io.Writer) error {
+	_, err := w.Write(b)
+	return err
+}
+
+// WriteFrom is Write for a payload that is produced while it is sent (a
+// chunked copy out of device memory, for one). Everything Write says holds.
+func (i *Initiator) WriteFrom(ctx context.Context, sessionID string, addr uint64, payload Payload) (Result, error) {
 	s, err := i.session(sessionID)
 	if err != nil {
 		return Result{}, err
@@ -304,8 +330,8 @@ func (i *Initiator) exchangeFrame(ctx context.Context, conn net.Conn) (uint8, []
 
 // attempt runs one transfer. retry reports whether a failure may be due to
 // stale state (a cached descriptor, a pooled connection).
-func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, addr uint64, payload []byte, cached bool) (res Result, retry bool, err error) {
-	size := uint64(len(payload))
+func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, addr uint64, payload Payload, cached bool) (res Result, retry bool, err error) {
+	size := uint64(payload.Len())
 	version := 1
 	if desc.TCPProtoVersion >= 2 {
 		version = 2
@@ -338,9 +364,9 @@ func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, ad
 	hdr := Header{Size: size, Addr: addr, Opcode: OpWrite}
 	if version == 2 {
 		hdr.Opcode |= FlagV2
-		err = writeV2(conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
+		err = writeV2(ctx, conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
 	} else {
-		err = writeV1(conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
+		err = writeV1(ctx, conn, AppendHeader(make([]byte, 0, HeaderSize), hdr), payload)
 	}
 	interrupted := !stop()
 
@@ -351,7 +377,8 @@ func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, ad
 	if err != nil {
 		_ = conn.Close()
 		err = ctxErr(ctx, err)
-		retry = (cached || res.Reused) && ctx.Err() == nil && !isTimeout(err)
+		var pe *PayloadError
+		retry = (cached || res.Reused) && ctx.Err() == nil && !isTimeout(err) && !errors.As(err, &pe)
 		return res, retry, fmt.Errorf("mooncake: session %s: writing %d bytes to %s (v%d): %w", s.id, size, dataAddr, version, err)
 	}
 	if version == 2 && !interrupted {
@@ -359,7 +386,7 @@ func (i *Initiator) attempt(ctx context.Context, s *session, desc Descriptor, ad
 	} else {
 		_ = conn.Close()
 	}
-	res.Bytes = len(payload)
+	res.Bytes = int(size)
 	return res, false, nil
 }
 
@@ -373,13 +400,18 @@ var errRejected = errors.New("ADDR_REJECTED")
 // writeV2 sends header and payload while reading the status frame: a real v2
 // server answers ADDR_REJECTED after the header and closes, so a client that
 // only reads after sending a large body would see a reset instead (§9).
-func writeV2(conn net.Conn, hdr, payload []byte) error {
+func writeV2(ctx context.Context, conn net.Conn, hdr []byte, payload Payload) error {
 	werr := make(chan error, 1)
 	var readerDone, writerFailed atomic.Bool
 	go func() {
-		bufs := net.Buffers{hdr, payload}
-		_, err := bufs.WriteTo(conn) // writev: the payload is not copied
-		if err != nil && !readerDone.Load() {
+		err := sendPayload(ctx, conn, hdr, payload)
+		var pe *PayloadError
+		if errors.As(err, &pe) && !readerDone.Load() {
+			// The body is incomplete and nothing more will come: the peer
+			// will not answer, so stop waiting for it now.
+			writerFailed.Store(true)
+			_ = conn.SetReadDeadline(aLongTimeAgo)
+		} else if err != nil && !readerDone.Load() {
 			// The body did not go out, so no OK will come: give a frame that
 			// may already be on its way (ADDR_REJECTED) a moment, not the
 			// whole transfer timeout.
@@ -425,9 +457,8 @@ func writeV2(conn net.Conn, hdr, payload []byte) error {
 // writeV1 sends header and payload, half-closes, and waits for EOF: a v1
 // server reads the next header (and so sees our FIN) only after the body is in
 // memory, and then closes (reference §1.6).
-func writeV1(conn net.Conn, hdr, payload []byte) error {
-	bufs := net.Buffers{hdr, payload}
-	if _, err := bufs.WriteTo(conn); err != nil {
+func writeV1(ctx context.Context, conn net.Conn, hdr []byte, payload Payload) error {
+	if err := sendPayload(ctx, conn, hdr, payload); err != nil {
 		return fmt.Errorf("sending: %w", err)
 	}
 	cw, ok := conn.(interface{ CloseWrite() error })
@@ -450,6 +481,60 @@ func writeV1(conn net.Conn, hdr, payload []byte) error {
 			return fmt.Errorf("waiting for the peer to close: %w", err)
 		}
 	}
+}
+
+// sendPayload writes the header and the payload: one writev for bytes in
+// memory (not copied), else the header and then what the payload sends,
+// which must be exactly its Len bytes. A failure of the payload's own (not
+// of a write to conn) is a *PayloadError.
+func sendPayload(ctx context.Context, conn net.Conn, hdr []byte, payload Payload) error {
+	if b, ok := payload.(bytesPayload); ok {
+		bufs := net.Buffers{hdr, b}
+		_, err := bufs.WriteTo(conn)
+		return err
+	}
+	if _, err := conn.Write(hdr); err != nil {
+		return err
+	}
+	w := &payloadWriter{conn: conn, left: payload.Len()}
+	err := payload.Send(ctx, w)
+	switch {
+	case w.err != nil:
+		return w.err // the connection failed; what the payload made of it does not matter
+	case err != nil:
+		return &PayloadError{Err: err}
+	case w.left > 0:
+		return &PayloadError{Err: fmt.Errorf("it sent %d of its %d bytes", payload.Len()-w.left, payload.Len())}
+	}
+	return nil
+}
+
+// PayloadError is a WriteFrom that failed because its payload did (the
+// source of the bytes), not the connection or the peer. It is not retried.
+type PayloadError struct{ Err error }
+
+func (e *PayloadError) Error() string { return "payload: " + e.Err.Error() }
+func (e *PayloadError) Unwrap() error { return e.Err }
+
+// payloadWriter is the connection as a Payload sees it: writes past Len are
+// refused (the peer would read them as the next header), and the first
+// write error is kept.
+type payloadWriter struct {
+	conn net.Conn
+	left int64
+	err  error
+}
+
+func (w *payloadWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > w.left {
+		return 0, fmt.Errorf("mooncake: a write of %d bytes past the payload's end (%d left)", len(p), w.left)
+	}
+	n, err := w.conn.Write(p)
+	w.left -= int64(n)
+	if err != nil && w.err == nil {
+		w.err = err
+	}
+	return n, err
 }
 
 func (i *Initiator) takeIdle(s *session, dataAddr string) net.Conn {

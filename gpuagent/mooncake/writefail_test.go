@@ -1,6 +1,7 @@
 package mooncake
 
 import (
+	"context"
 	"errors"
 	"net"
 	"strings"
@@ -38,7 +39,7 @@ func TestWriteV2ReturnsTheSendErrorWithoutWaitingForAStatusFrame(t *testing.T) {
 	defer peer.Close()
 	// A generous deadline: without the fix the reader would end with it.
 	_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
-	err = writeV2(failingConn{conn}, AppendHeader(nil, Header{Size: 4, Addr: 1, Opcode: OpWrite | FlagV2}), []byte("data"))
+	err = writeV2(context.Background(), failingConn{conn}, AppendHeader(nil, Header{Size: 4, Addr: 1, Opcode: OpWrite | FlagV2}), bytesPayload("data"))
 	if err == nil || !strings.Contains(err.Error(), "injected write failure") {
 		t.Fatalf("writeV2 = %v, want the send error", err)
 	}
