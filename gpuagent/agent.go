@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/gpuagent/mooncake"
+	"github.com/encgate/encgate/gpuagent/pipeline"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/sglang"
 )
@@ -38,6 +39,11 @@ type Agent struct {
 	init     *mooncake.Initiator
 	recv     *mooncake.Receiver // nil when receiver is off
 	notifier Notifier
+	pipe     pipeline.Config // how transfers are chunked
+	// gpus is the CUDA state for stages by handle. Device contexts and
+	// lanes live as long as the process: a /send cut off by Shutdown may
+	// still be reading one.
+	gpus *gpus
 
 	// pin and unpin register and deregister a staged region (mlock and
 	// munlock); tests replace them to take the per-send fallback.
@@ -129,6 +135,10 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		a.recv = recv
 	}
 	a.metrics = newMetrics(a.reg)
+	a.pipe = pipeline.Config{ChunkBytes: int(cfg.Transfer.ChunkBytes), Depth: cfg.Transfer.Buffers}
+	if a.gpus, err = openGPUs(cfg.CUDA, a.pipe, a.log.Named("cuda"), a.metrics); err != nil {
+		return nil, err
+	}
 	a.store = newStore(int64(cfg.Staging.CapacityBytes), a.metrics, func(b []byte) error { return a.unpin(b) })
 	a.init = mooncake.NewInitiator(mooncake.InitiatorConfig{
 		ConnectTimeout: cfg.Transfer.ConnectTimeout.D(),

@@ -41,6 +41,10 @@ type Config struct {
 	Staging StagingConfig `yaml:"staging"`
 	// Transfer controls the Mooncake TCP initiator.
 	Transfer TransferConfig `yaml:"transfer"`
+	// CUDA lets the encoder stage by CUDA IPC handle (source=cuda): the
+	// agent copies the embedding into device memory of its own and, at
+	// /send, out of it through pinned host buffers while it is sent.
+	CUDA CUDAConfig `yaml:"cuda"`
 	// Receiver, when set, makes the agent a Mooncake TCP receiver too.
 	// Absent or null (the default) means off; when present, all its keys
 	// are required.
@@ -144,6 +148,42 @@ type TransferConfig struct {
 	// Timeout bounds one transfer, handshake included, and one completion
 	// notice (default 30s, Mooncake's MC_TRANSFER_TIMEOUT).
 	Timeout configfile.Duration `yaml:"timeout"`
+	// ChunkBytes is the unit a transfer is sent in (default 4MiB, at most
+	// 256MiB): each chunk is readied (for a device stage, copied into a
+	// pinned host buffer) while the one before it is written.
+	ChunkBytes configfile.ByteSize `yaml:"chunk_bytes"`
+	// Buffers is how many chunks a transfer keeps in flight (default 3:
+	// triple-buffered; 2 to 16). A device transfer holds Buffers pinned
+	// buffers of ChunkBytes each.
+	Buffers int `yaml:"buffers"`
+}
+
+// CUDA modes, the values of cuda.mode.
+const (
+	// CUDAAuto loads the driver at start when it is there; without it (or a
+	// device) stage-by-handle is refused, naming why, and all else works.
+	CUDAAuto = "auto"
+	// CUDAOff never loads the driver; stage-by-handle is refused.
+	CUDAOff = "off"
+	// CUDARequired refuses to start without a usable driver and device.
+	CUDARequired = "required"
+)
+
+// CUDAConfig controls stage-by-handle.
+type CUDAConfig struct {
+	// Mode is auto (the default), off or required.
+	Mode string `yaml:"mode"`
+	// Library is the CUDA driver library to load (default libcuda.so.1,
+	// found the way dlopen finds it).
+	Library string `yaml:"library"`
+	// CapacityBytes bounds the device memory held for staged embeddings on
+	// each device (default 4GiB); a stage beyond it gets 507.
+	CapacityBytes configfile.ByteSize `yaml:"capacity_bytes"`
+	// Lanes bounds the device transfers in flight at once per device
+	// (default 4; 1 to 64); each lane holds transfer.buffers pinned host
+	// buffers of transfer.chunk_bytes, allocated at its first use and kept.
+	// A transfer beyond them waits for one.
+	Lanes int `yaml:"lanes"`
 }
 
 // ReceiverConfig makes the agent a Mooncake TCP receiver (for Go receivers,
@@ -221,7 +261,10 @@ func DefaultConfig() Config {
 			AllowNetworks:  []string{"127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"},
 			ConnectTimeout: configfile.Duration(5e9),
 			Timeout:        configfile.Duration(30e9),
+			ChunkBytes:     4 << 20,
+			Buffers:        3,
 		},
+		CUDA: CUDAConfig{Mode: CUDAAuto, CapacityBytes: 4 << 30, Lanes: 4},
 		Ack: AckConfig{
 			Mode:           AckRequired,
 			MaxFrameBytes:  1 << 20,
@@ -262,6 +305,7 @@ func (c Config) Validate() error {
 	bearer.Check(&p, "admin.token", c.Admin.Token)
 	c.Staging.validate(&p, "staging")
 	c.Transfer.validate(&p, "transfer")
+	c.CUDA.validate(&p, "cuda")
 	if c.Receiver != nil {
 		c.Receiver.validate(&p, "receiver")
 	}
@@ -361,6 +405,33 @@ func (t TransferConfig) validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".connect_timeout", t.ConnectTimeout)
 	p.Positive(path+".timeout", t.Timeout)
+	if t.ChunkBytes < 4<<10 || t.ChunkBytes > maxChunk {
+		p.Addf(path+".chunk_bytes", "must be between 4KiB and 256MiB, got %s", t.ChunkBytes)
+	}
+	if t.Buffers < 2 || t.Buffers > maxBuffers {
+		p.Addf(path+".buffers", "must be between 2 and %d, got %d", maxBuffers, t.Buffers)
+	}
+}
+
+// Bounds of transfer.chunk_bytes, transfer.buffers and cuda.lanes.
+const (
+	maxChunk   = 256 << 20
+	maxBuffers = 16
+	maxLanes   = 64
+)
+
+func (c CUDAConfig) validate(p *configfile.Problems, path string) {
+	switch c.Mode {
+	case CUDAAuto, CUDAOff, CUDARequired:
+	default:
+		p.Addf(path+".mode", "must be auto, off or required, got %q", c.Mode)
+	}
+	if c.CapacityBytes <= 0 || int64(c.CapacityBytes) > maxInt {
+		p.Addf(path+".capacity_bytes", "must be > 0, got %s", c.CapacityBytes)
+	}
+	if c.Lanes < 1 || c.Lanes > maxLanes {
+		p.Addf(path+".lanes", "must be between 1 and %d, got %d", maxLanes, c.Lanes)
+	}
 }
 
 // maxAckFrame caps ack.max_frame_bytes: sglang's frames are a few KiB.

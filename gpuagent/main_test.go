@@ -27,7 +27,19 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	goleak.VerifyTestMain(removeAfter{m})
+}
+
+// removeAfter runs the tests, then removes the exporter this test binary
+// built (cuda_fake_test.go).
+type removeAfter struct{ m *testing.M }
+
+func (r removeAfter) Run() int {
+	code := r.m.Run()
+	if exporterPath != "" {
+		_ = os.RemoveAll(filepath.Dir(exporterPath))
+	}
+	return code
 }
 
 // client never keeps connections alive, so no client goroutine outlives a
@@ -119,9 +131,15 @@ func startAgent(t *testing.T, mutate func(*Config), clk clock.Clock, before func
 // startReceiver runs a Mooncake TCP receiver with one 1MiB buffer.
 func startReceiver(t *testing.T) *mooncake.Receiver {
 	t.Helper()
+	return startReceiverOf(t, 1<<20)
+}
+
+// startReceiverOf runs a Mooncake TCP receiver with one buffer of n bytes.
+func startReceiverOf(t *testing.T, n int) *mooncake.Receiver {
+	t.Helper()
 	r, err := mooncake.NewReceiver(mooncake.ReceiverConfig{
 		HandshakeListen: "127.0.0.1:0", DataListen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1",
-		Buffers: []int{1 << 20}, ProtoVersion: 2,
+		Buffers: []int{n}, ProtoVersion: 2,
 	}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)

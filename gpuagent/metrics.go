@@ -25,12 +25,14 @@ const (
 const (
 	regShared  = "shared"   // registered (pinned) once at staging
 	regPerSend = "per_send" // the fallback: pinned around each send
+	regDevice  = "device"   // a device copy (source=cuda); its pinned host buffers are the lanes'
 )
 
 // metrics are the agent's Prometheus collectors, registered on the registry
 // passed to New (never the global one).
 type metrics struct {
 	stagedBytes    prometheus.Gauge
+	deviceBytes    *prometheus.GaugeVec // by device ordinal
 	stagedEntries  prometheus.Gauge
 	transferBytes  prometheus.Counter
 	transferTime   prometheus.Histogram
@@ -58,8 +60,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		stagedBytes: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "encgate_agent_staged_bytes",
-			Help: "Bytes held for staged embeddings (being staged, staged, or released but still being sent) and staged ack frames.",
+			Help: "Bytes held for staged embeddings (being staged, staged, or released but still being sent) and staged ack frames, in host memory.",
 		}),
+		deviceBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "encgate_agent_staged_device_bytes",
+			Help: "Device memory held for embeddings staged by CUDA IPC handle, per device (cuda.capacity_bytes bounds it).",
+		}, []string{"device"}),
 		stagedEntries: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "encgate_agent_staged_entries",
 			Help: "Staged entries held, failed encodes included.",
@@ -115,7 +121,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Stages, ack frames and failures refused with 409 because another process staged that req_id first.",
 		}),
 	}
-	reg.MustRegister(m.stagedBytes, m.stagedEntries, m.transferBytes, m.transferTime,
+	reg.MustRegister(m.stagedBytes, m.deviceBytes, m.stagedEntries, m.transferBytes, m.transferTime,
 		m.transfers, m.registrations, m.requests, m.notifyFailures, m.acks, m.ackTime,
 		m.unauthorized, m.stagesActive, m.stagesCut, m.ownerConflicts)
 	for _, d := range []string{"control", "admin"} {

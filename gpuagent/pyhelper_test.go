@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/encgate/encgate/internal/cuda/cudatest"
 	"github.com/encgate/encgate/internal/sglang"
 )
 
@@ -527,4 +528,92 @@ func TestASecondStagerCannotTakeThePart(t *testing.T) {
 		t.Fatalf("an ack reached Q's destination: %q", f)
 	default:
 	}
+}
+
+// pyCUDA stages through stage_cuda a "tensor" whose memory it allocated on
+// the fake CUDA driver ($ENCGATE_CUDA_LIBRARY, through the module's own
+// ctypes binding), at an offset inside the allocation as PyTorch's caching
+// allocator hands out, then frees it once the agent answered; and checks
+// the module's refusals.
+const pyCUDA = pyHelperCommon + `
+import ctypes
+lib = ea._cuda_driver()
+def check(rc):
+    assert rc == 0, rc
+check(lib.cuInit(0))
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(lib.cuDeviceGet(ctypes.byref(dev), 0))
+check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+check(lib.cuCtxSetCurrent(ctx))
+tokens, dim, offset = 64, 100, 8192
+n = tokens * dim * 2
+base = ctypes.c_uint64()
+lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+check(lib.cuMemAlloc_v2(ctypes.byref(base), offset + n + 4096))
+check(lib.cuMemcpyHtoD_v2(base.value + offset, pattern(n, 9), n))
+
+class Device:
+    index = 0
+class Tensor:
+    is_cuda = True
+    dtype = "torch.bfloat16"
+    shape = (tokens, dim)
+    device = Device()
+    def __init__(self, ptr): self.ptr = ptr
+    def dim(self): return 2
+    def is_contiguous(self): return True
+    def data_ptr(self): return self.ptr
+
+answer = agent.stage_cuda("py-gpu", Tensor(base.value + offset))
+assert answer == {"req_id": "py-gpu", "embedding_size": n, "embedding_len": tokens, "embedding_dim": dim}, answer
+check(lib.cuMemFree_v2(base))  # the agent holds its own copy now
+
+class Host(Tensor):
+    is_cuda = False
+    device = "cpu"
+expect_value_error("stage_cuda wants a CUDA tensor", agent.stage_cuda, "py-cpu", Host(0))
+expect_value_error("handle must be the 64 bytes", agent.stage_cuda_handle, "py-h", b"short", 0, 4, 8, "bfloat16")
+expect_error(400, "cannot open the CUDA IPC handle", agent.stage_cuda_handle, "py-h", b"\x01" * 64, 0, 4, 8, "bfloat16")
+print("ok")
+`
+
+// The module's stage_cuda against a real agent on the fake driver: the
+// bytes a Python process put in device memory reach the receiver, after
+// that process freed them.
+func TestPythonHelperStagesCUDAMemory(t *testing.T) {
+	py := python3(t)
+	lib := cudatest.Fake(t)
+	t.Setenv("ENCGATE_CUDA_LIBRARY", lib)
+	recv := startReceiver(t)
+	a := startAgent(t, func(c *Config) {
+		c.CUDA.Mode, c.CUDA.Library, c.Ack.Mode = CUDARequired, lib, AckOff
+	}, nil, nil)
+	p := startPy(t, py, pyCUDA, a.SocketPath())
+	if line := p.line(t); line != "ok" {
+		t.Fatalf("the script said %q\n%s", line, p.stderr.String())
+	}
+	p.wait(t)
+	at := base(t, recv)
+	expect(t, a.send(t, sendReq{id: "py-gpu", port: 9, session: recv.SessionID(), addr: at, count: 1}), http.StatusOK, "null")
+	want := pyPattern(64*100*2, 9)
+	if got, _ := recv.Bytes(at, len(want)); !bytes.Equal(got, want) {
+		t.Fatalf("the receiver got %x..., want %x...", got[:16], want[:16])
+	}
+}
+
+// On an agent without CUDA, stage_cuda_handle raises AgentError 501 with
+// the agent's reason.
+func TestPythonHelperCUDAOnAnAgentWithoutCUDA(t *testing.T) {
+	py := python3(t)
+	a := startAgent(t, func(c *Config) { c.CUDA.Mode = CUDAOff }, nil, nil)
+	p := startPy(t, py, pyHelperCommon+`
+expect_error(501, "cuda.mode is off in this agent's config", agent.stage_cuda_handle, "py-h", b"\x01" * 64, 0, 4, 8, "bfloat16")
+print("ok")
+`, a.SocketPath())
+	if line := p.line(t); line != "ok" {
+		t.Fatalf("the script said %q\n%s", line, p.stderr.String())
+	}
+	p.wait(t)
 }

@@ -1,10 +1,13 @@
 package gpuagent
 
 import (
+	"encoding/hex"
 	"fmt"
 	"net/url"
 	"strconv"
 	"strings"
+
+	"github.com/encgate/encgate/internal/cuda"
 )
 
 // elementSizes are the dtypes a stage may name, with their sizes in bytes
@@ -21,6 +24,7 @@ var elementSizes = map[string]int64{
 const (
 	sourceBody = "body" // the request body holds the bytes (the default)
 	sourceFD   = "fd"   // a file descriptor passed with the request (SCM_RIGHTS) holds them
+	sourceCUDA = "cuda" // a CUDA IPC handle names device memory that holds them
 )
 
 // stageRequest is a parsed POST /v1/stage query.
@@ -33,10 +37,13 @@ type stageRequest struct {
 	Dtype  string // a key of elementSizes
 	Elem   int64  // element size in bytes
 	NBytes int64  // Tokens*Dim*Elem, > 0
-	// Source is sourceBody or sourceFD; with sourceFD the passed file is
-	// mapped from Offset.
+	// Source is sourceBody, sourceFD or sourceCUDA; with sourceFD the
+	// passed file is mapped from Offset, with sourceCUDA the bytes are at
+	// Offset in the allocation Handle names on Device.
 	Source string
 	Offset int64
+	Handle cuda.IPCHandle
+	Device int
 }
 
 // badRequest is a caller mistake: a 400 envelope with msg.
@@ -48,12 +55,14 @@ func badf(format string, args ...any) error { return &badRequest{msg: fmt.Sprint
 
 var stageKeys = map[string]bool{
 	"req_id": true, "error": true, "tokens": true, "dim": true, "dtype": true, "source": true, "offset": true,
+	"handle": true, "device": true,
 }
 
 // parseStageQuery parses and checks a /v1/stage query string. Every key at
 // most once, no unknown keys; req_id always; then either error=MSG alone, or
-// tokens, dim and dtype with an optional source (body, or fd with an
-// optional offset). No parameter names a file: a file's bytes come only as
+// tokens, dim and dtype with an optional source (body; fd with an optional
+// offset; or cuda with handle, device and an optional offset).
+// No parameter names a file: a file's bytes come only as
 // a descriptor the stager passes over the Unix socket.
 // Errors are *badRequest.
 func parseStageQuery(raw string) (stageRequest, error) {
@@ -78,7 +87,7 @@ func parseStageQuery(raw string) (stageRequest, error) {
 		if r.Error = q.Get("error"); r.Error == "" {
 			return r, badf("encgate: error must not be empty")
 		}
-		for _, k := range []string{"tokens", "dim", "dtype", "source", "offset"} {
+		for _, k := range []string{"tokens", "dim", "dtype", "source", "offset", "handle", "device"} {
 			if q.Has(k) {
 				return r, badf("encgate: %s cannot be given with error", k)
 			}
@@ -103,13 +112,20 @@ func parseStageQuery(raw string) (stageRequest, error) {
 	switch r.Source = q.Get("source"); r.Source {
 	case "":
 		r.Source = sourceBody
-	case sourceBody, sourceFD:
+	case sourceBody, sourceFD, sourceCUDA:
 	default:
-		return r, badf("encgate: source must be body or fd, got %q", r.Source)
+		return r, badf("encgate: source must be body, fd or cuda, got %q", r.Source)
+	}
+	if r.Source != sourceCUDA {
+		for _, k := range []string{"handle", "device"} {
+			if q.Has(k) {
+				return r, badf("encgate: %s needs source=cuda", k)
+			}
+		}
 	}
 	if r.Source == sourceBody {
 		if q.Has("offset") {
-			return r, badf("encgate: offset needs source=fd")
+			return r, badf("encgate: offset needs source=fd or source=cuda")
 		}
 		return r, nil
 	}
@@ -121,8 +137,26 @@ func parseStageQuery(raw string) (stageRequest, error) {
 			return r, badf("encgate: offset+size overflows")
 		}
 	}
+	if r.Source == sourceCUDA {
+		h := q.Get("handle")
+		if len(h) != 2*len(r.Handle) {
+			return r, badf("encgate: handle must be the CUDA IPC memory handle as %d hex digits (cudaIpcGetMemHandle's %d bytes), got %d characters",
+				2*len(r.Handle), len(r.Handle), len(h))
+		}
+		if _, err := hex.Decode(r.Handle[:], []byte(h)); err != nil {
+			return r, badf("encgate: handle must be %d hex digits: %v", 2*len(r.Handle), err)
+		}
+		d, err := decimal(q.Get("device"))
+		if err != nil || d > maxDevice {
+			return r, badf("encgate: device must be the CUDA device ordinal (0 to %d), got %q", maxDevice, q.Get("device"))
+		}
+		r.Device = int(d)
+	}
 	return r, nil
 }
+
+// maxDevice is the largest device ordinal a stage may name.
+const maxDevice = 1023
 
 // positive parses q[key] as a decimal integer > 0.
 func positive(q url.Values, key string) (int64, error) {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"syscall"
+
+	"github.com/encgate/encgate/gpuagent/pipeline"
 )
 
 // region is a staged embedding's memory: data is the embedding, mapping is
@@ -19,6 +21,25 @@ type region struct {
 	// see that its writer truncated it; need is offset+len(data).
 	file *os.File
 	need int64
+	// device, when set, is a stage by CUDA IPC handle: the bytes are in
+	// device memory (data is nil).
+	device *deviceMem
+}
+
+// size is the embedding's size in bytes.
+func (r region) size() int64 {
+	if r.device != nil {
+		return r.device.n
+	}
+	return int64(len(r.data))
+}
+
+// source is the region as the transfer pipeline reads it.
+func (r region) source() pipeline.Source {
+	if r.device != nil {
+		return r.device
+	}
+	return pipeline.Host(r.data)
 }
 
 // allocRegion maps n bytes of anonymous private memory.
@@ -85,6 +106,9 @@ func (r region) check() error {
 // free unmaps the region (and closes its file); a zero region is a no-op.
 func (r region) free() error {
 	var err error
+	if r.device != nil {
+		err = r.device.free()
+	}
 	if r.mapping != nil {
 		err = syscall.Munmap(r.mapping)
 	}

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/gpuagent/mooncake"
+	"github.com/encgate/encgate/gpuagent/pipeline"
 	"github.com/encgate/encgate/internal/sglang"
 )
 
@@ -99,9 +100,9 @@ func (a *Agent) transfer(ctx context.Context, e *entry, req sglang.Send) *sendEr
 	if e.failed != "" {
 		return internal("%s: %s", sglang.NoEmbedding, req.ReqID)
 	}
-	if want := e.tokens * e.dim * e.elem; int64(len(e.mem.data)) != want {
+	if want := e.tokens * e.dim * e.elem; e.mem.size() != want {
 		return internal("Embedding size mismatch for %s: actual=%d, expected=%d (shape=[%d, %d], element_size=%d)",
-			req.ReqID, len(e.mem.data), want, e.tokens, e.dim, e.elem)
+			req.ReqID, e.mem.size(), want, e.tokens, e.dim, e.elem)
 	}
 	if err := e.mem.check(); err != nil {
 		return internal("encgate: staged embedding for %s is unusable: %v; nothing was sent", req.ReqID, err)
@@ -113,10 +114,10 @@ func (a *Agent) transfer(ctx context.Context, e *entry, req sglang.Send) *sendEr
 	if serr != nil {
 		return serr
 	}
-	nbytes := len(e.mem.data)
+	nbytes := int(e.mem.size())
 	unpin := a.pinPerSend(e)
 	start := a.clk.Now()
-	res, err := a.write(ctx, req.SessionID, req.BufferAddress, e.mem.data)
+	res, err := a.write(ctx, req.SessionID, req.BufferAddress, pipeline.Transfer{Source: e.mem.source(), Config: a.pipe})
 	a.metrics.transferTime.Observe(a.clk.Now().Sub(start).Seconds())
 	unpin()
 	if err != nil {
@@ -172,6 +173,7 @@ func (a *Agent) transferError(req sglang.Send, nbytes int, err error) *sendError
 	var rangeErr *mooncake.RangeError
 	var rejected *mooncake.RejectedError
 	var notAllowed *NotAllowedError
+	var payloadErr *mooncake.PayloadError
 	end := req.BufferAddress + uint64(nbytes)
 	switch {
 	case errors.As(err, &rangeErr):
@@ -184,6 +186,11 @@ func (a *Agent) transferError(req sglang.Send, nbytes int, err error) *sendError
 		return &sendError{status: http.StatusBadRequest, msg: fmt.Sprintf(
 			"encgate: session %s rejected the destination range [%#x, %#x) (%d bytes) for %s (ADDR_REJECTED); nothing was written",
 			req.SessionID, req.BufferAddress, end, nbytes, req.ReqID)}
+	case errors.As(err, &payloadErr):
+		a.metrics.transfers.WithLabelValues(resultFailed).Inc()
+		return &sendError{status: http.StatusInternalServerError, msg: fmt.Sprintf(
+			"%s for %s (session=%s, nbytes=%d, ret=-1): encgate: reading the staged embedding failed mid-transfer (%v); the destination range [%#x, %#x) may hold part of it",
+			sglang.TransferFailed, req.ReqID, req.SessionID, nbytes, payloadErr.Err, req.BufferAddress, end)}
 	case errors.As(err, &notAllowed):
 		a.metrics.transfers.WithLabelValues(resultNotAllowed).Inc()
 		return &sendError{status: http.StatusForbidden, msg: fmt.Sprintf(
@@ -198,7 +205,7 @@ func (a *Agent) transferError(req sglang.Send, nbytes int, err error) *sendError
 // staging must not crash the agent: the kernel fails the socket write
 // (EFAULT), and should Go code on this goroutine read the mapping, the fault
 // becomes an error too.
-func (a *Agent) write(ctx context.Context, session string, addr uint64, data []byte) (res mooncake.Result, err error) {
+func (a *Agent) write(ctx context.Context, session string, addr uint64, payload mooncake.Payload) (res mooncake.Result, err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if p := recover(); p != nil {
@@ -208,7 +215,7 @@ func (a *Agent) write(ctx context.Context, session string, addr uint64, data []b
 			err = fmt.Errorf("reading the staged region faulted (was its file truncated?): %v", p)
 		}
 	}()
-	return a.init.Write(ctx, session, addr, data)
+	return a.init.WriteFrom(ctx, session, addr, payload)
 }
 
 // pinPerSend takes the per-send registration for an entry whose shared one

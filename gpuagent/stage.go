@@ -50,6 +50,16 @@ func (a *Agent) serveStage(w http.ResponseWriter, r *http.Request) {
 		writeEnvelope(w, http.StatusBadRequest, sizeMessage(req, r.ContentLength), req.ReqID)
 		return
 	}
+	var gpu *gpu
+	if req.Source == sourceCUDA {
+		var err error
+		if gpu, err = a.gpus.device(req.Device); err != nil {
+			writeEnvelope(w, http.StatusNotImplemented, fmt.Sprintf(
+				"encgate: this agent cannot stage by CUDA IPC handle (source=cuda) on device %d: %v; stage the bytes instead (source=body or fd)",
+				req.Device, err), req.ReqID)
+			return
+		}
+	}
 	var fd = -1
 	if req.Source == sourceFD {
 		var ok bool
@@ -78,7 +88,7 @@ func (a *Agent) serveStage(w http.ResponseWriter, r *http.Request) {
 		<-a.stages
 	}()
 	e := &entry{id: req.ReqID, tokens: req.Tokens, dim: req.Dim, dtype: req.Dtype, elem: req.Elem,
-		nbytes: req.NBytes, source: req.Source, at: a.clk.Now(), owner: conn.peer}
+		nbytes: req.NBytes, source: req.Source, device: gpu != nil, at: a.clk.Now(), owner: conn.peer}
 	if !a.reserve(w, e) {
 		if fd >= 0 {
 			_ = syscall.Close(fd)
@@ -91,12 +101,15 @@ func (a *Agent) serveStage(w http.ResponseWriter, r *http.Request) {
 			a.store.abort(e)
 		}
 	}()
-	mem, err := a.load(w, r, req, fd)
+	mem, err := a.load(w, r, req, fd, gpu)
 	if err != nil {
 		settled = true // aborted here, with an answer
 		a.store.abort(e)
 		var bad *badRequest
+		var gerr *stageErr
 		switch {
+		case errors.As(err, &gerr):
+			writeEnvelope(w, gerr.status, fmt.Sprintf("encgate: req_id=%s: %s; nothing is staged", req.ReqID, gerr.msg), req.ReqID)
 		case errors.As(err, &bad):
 			writeEnvelope(w, http.StatusBadRequest, bad.msg, req.ReqID)
 		case stalled(err):
@@ -115,7 +128,9 @@ func (a *Agent) serveStage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	reg := regShared
-	if err := a.pin(mem.data); err != nil {
+	if mem.device != nil {
+		reg = regDevice
+	} else if err := a.pin(mem.data); err != nil {
 		reg = regPerSend
 		a.log.Debug("shared registration failed; registering per send", zap.String("req_id", req.ReqID), zap.Error(err))
 	} else {
@@ -132,7 +147,7 @@ func (a *Agent) serveStage(w http.ResponseWriter, r *http.Request) {
 
 // bodyBytes is the body length a stage must have.
 func (r stageRequest) bodyBytes() int64 {
-	if r.Source == sourceFD {
+	if r.Source == sourceFD || r.Source == sourceCUDA {
 		return 0
 	}
 	return r.NBytes
@@ -186,11 +201,15 @@ func (a *Agent) ownerConflict(w http.ResponseWriter, id string, who, owner stage
 // errBodyBroken is a stage body whose connection closed or broke mid-way.
 var errBodyBroken = errors.New("the stage body ended early (connection closed or broken)")
 
-// load puts the embedding's bytes in memory the agent owns: the mapped
-// passed file (fd, which load owns), or the body read into fresh memory,
+// load puts the embedding's bytes in memory the agent owns: a device copy
+// of the allocation a CUDA IPC handle names (gpu set), the mapped passed
+// file (fd, which load owns), or the body read into fresh memory,
 // which must be exactly NBytes and arrive without a pause of
 // control.body_timeout.
-func (a *Agent) load(w http.ResponseWriter, r *http.Request, req stageRequest, fd int) (region, error) {
+func (a *Agent) load(w http.ResponseWriter, r *http.Request, req stageRequest, fd int, gpu *gpu) (region, error) {
+	if gpu != nil {
+		return gpu.copyIn(req.Handle, req.Offset, req.NBytes)
+	}
 	if req.Source == sourceFD {
 		return mapFD(fd, req.Offset, req.NBytes)
 	}

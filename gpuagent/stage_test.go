@@ -64,7 +64,7 @@ func TestParseStageQuery(t *testing.T) {
 		{"offset alone", "req_id=r&tokens=1&dim=1&dtype=float32&offset=0", stageRequest{}, "offset needs source=fd"},
 		// No parameter names a file: the path form of earlier agents is gone.
 		{"a path", "req_id=r&tokens=1&dim=1&dtype=float32&shm=/dev/shm/victim", stageRequest{}, `unknown stage parameter "shm"`},
-		{"unknown source", "req_id=r&tokens=1&dim=1&dtype=float32&source=/dev/shm/victim", stageRequest{}, "source must be body or fd"},
+		{"unknown source", "req_id=r&tokens=1&dim=1&dtype=float32&source=/dev/shm/victim", stageRequest{}, "source must be body, fd or cuda"},
 		{"bad offset", "req_id=r&tokens=1&dim=1&dtype=float32&source=fd&offset=-4", stageRequest{}, "offset must be"},
 		{"offset overflow", "req_id=r&tokens=1&dim=1&dtype=float32&source=fd&offset=9223372036854775807", stageRequest{}, "offset+size overflows"},
 	}

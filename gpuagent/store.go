@@ -18,6 +18,9 @@ type entry struct {
 	elem   int64
 	nbytes int64 // bytes held (0 for a failed encode)
 	source string
+	// device says the bytes are in device memory (source=cuda): they count
+	// against the device's cuda.capacity_bytes, not staging.capacity_bytes.
+	device bool
 	failed string // non-empty: the encode failed with this message
 	at     time.Time
 	owner  stager // the process that staged it: only it may stage its ack frame
@@ -40,6 +43,14 @@ type entry struct {
 	pins  int        // sends in flight that need the per-send pin
 	// pinned says the per-send registration succeeded and must be undone.
 	pinned bool
+}
+
+// hostBytes is what e holds of staging.capacity_bytes.
+func (e *entry) hostBytes() int64 {
+	if e.device {
+		return 0
+	}
+	return e.nbytes
 }
 
 // isReady reports whether staging finished (and so mem/reg may be read).
@@ -169,7 +180,7 @@ func (s *store) reserve(e *entry) error {
 	if a, ok := s.acks[e.id]; ok && a.owner != e.owner {
 		return &ownedError{owner: a.owner}
 	}
-	if e.nbytes > s.capacity-s.held {
+	if e.hostBytes() > s.capacity-s.held {
 		return errCapacity
 	}
 	e.ready = make(chan struct{})
@@ -177,7 +188,7 @@ func (s *store) reserve(e *entry) error {
 	e.dests = map[string]struct{}{}
 	e.acked = map[string]struct{}{}
 	s.entries[e.id] = e
-	s.held += e.nbytes
+	s.held += e.hostBytes()
 	s.count++
 	s.gauges()
 	return nil
@@ -290,7 +301,7 @@ func (s *store) free(e *entry) {
 	}
 	_ = e.mem.free()
 	s.mu.Lock()
-	s.held -= e.nbytes
+	s.held -= e.hostBytes()
 	s.count--
 	s.gauges()
 	s.mu.Unlock()

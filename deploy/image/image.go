@@ -138,8 +138,11 @@ func gitHead(ctx context.Context, dir string) string {
 }
 
 // buildBinary compiles the encgate command at root into dir/encgate: linux,
-// static (CGO off), reproducible (-trimpath), stripped, with the version
-// set. The go command's output is in the error when it fails.
+// static (CGO off, and -tags nocuda: the CUDA driver loader links the
+// dynamic loader in, which the scratch image lacks, so the image's agent
+// refuses stages by CUDA IPC handle, naming the tag), reproducible
+// (-trimpath), stripped, with the version set. The go command's output is
+// in the error when it fails.
 func buildBinary(ctx context.Context, root, arch, version, dir string) (string, error) {
 	if err := checkArch(arch); err != nil {
 		return "", err
@@ -148,7 +151,7 @@ func buildBinary(ctx context.Context, root, arch, version, dir string) (string, 
 		return "", err
 	}
 	out := filepath.Join(dir, "encgate")
-	args := []string{"build", "-trimpath", "-ldflags", "-s -w -X main.version=" + version, "-o", out, "."}
+	args := []string{"build", "-trimpath", "-tags", "nocuda", "-ldflags", "-s -w -X main.version=" + version, "-o", out, "."}
 	cmd := exec.CommandContext(ctx, "go", args...)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)

@@ -15,7 +15,7 @@ For every part (req_id) an encoder must, in this order:
        agent = Agent()
        try:
            tensor = encode(...)                      # [tokens, dim]
-           agent.stage_tensor(req_id, tensor)        # or stage_bytes / stage_memfd / stage_fd
+           agent.stage_tensor(req_id, tensor)        # or stage_cuda / stage_bytes / stage_memfd / stage_fd
        except Exception as err:
            agent.fail(req_id, str(err))
 
@@ -32,7 +32,8 @@ For every part (req_id) an encoder must, in this order:
 Errors the agent answers raise :class:`AgentError` (``.status`` is the HTTP
 status: 400 bad request, 408 stalled body, 409 already staged / staged by
 another process, 413 too large, 503 busy, retry after ``.retry_after``
-seconds, 507 out of staging capacity). Arguments that are wrong before
+seconds, 501 stage_cuda on an agent without CUDA, 507 out of staging
+capacity). Arguments that are wrong before
 anything is sent raise ``ValueError``; a socket that cannot be reached raises
 ``OSError`` (``FileNotFoundError``, ``PermissionError``, ...), a call that
 takes longer than ``timeout`` raises ``TimeoutError`` (``socket.timeout``).
@@ -70,6 +71,56 @@ ELEMENT_SIZES: Dict[str, int] = {
 }
 
 Buffer = Any  # any object supporting the buffer protocol
+
+
+_cuda: Any = None
+
+
+def _cuda_driver() -> Any:
+    """The CUDA driver library through ctypes, loaded once."""
+    global _cuda
+    if _cuda is None:
+        import ctypes
+        lib = ctypes.CDLL(os.environ.get("ENCGATE_CUDA_LIBRARY") or "libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        _cuda = lib
+    return _cuda
+
+
+def _cuda_check(lib: Any, call: str, code: int) -> None:
+    if code != 0:
+        import ctypes
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(code, ctypes.byref(name))
+        raise OSError("%s failed: %s (%d)" % (call, (name.value or b"?").decode(), code))
+
+
+def _cuda_export(ptr: int, device: int) -> Tuple[bytes, int]:
+    """The IPC handle of the allocation holding ptr, and ptr's offset in it.
+    The calling thread's current context is used (PyTorch makes the
+    device's primary context current); with none, the device's primary
+    context is made current."""
+    import ctypes
+    lib = _cuda_driver()
+    _cuda_check(lib, "cuInit", lib.cuInit(0))
+    cur = ctypes.c_void_p()
+    _cuda_check(lib, "cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(cur)))
+    if not cur.value:
+        dev = ctypes.c_int()
+        _cuda_check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device))
+        _cuda_check(lib, "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(cur), dev))
+        _cuda_check(lib, "cuCtxSetCurrent", lib.cuCtxSetCurrent(cur))
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _cuda_check(lib, "cuMemGetAddressRange", lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
+    handle = ctypes.create_string_buffer(64)
+    _cuda_check(lib, "cuIpcGetMemHandle", lib.cuIpcGetMemHandle(handle, base.value))
+    return handle.raw, ptr - base.value
 
 
 class AgentError(Exception):
@@ -224,6 +275,70 @@ class Agent:
             return self.stage_fd(req_id, fd, tokens, dim, dtype)
         finally:
             os.close(fd)
+
+    def stage_cuda(self, req_id: str, tensor: Any) -> Dict[str, Any]:
+        """Stages a 2-D CUDA tensor [tokens, dim] as req_id's embedding
+        without copying it to host memory: the agent receives a CUDA IPC
+        handle for the allocation that holds it, copies the bytes into device
+        memory of its own and answers. Once this returns the tensor may be
+        freed or reused. A non-contiguous tensor is made contiguous first.
+
+        The work that produced the tensor must be complete before the agent
+        copies it: when torch is loaded, the tensor's device's current
+        stream is synchronized here first (a tensor written on another
+        stream must be synchronized by the caller).
+
+        The handle comes from the CUDA driver (libcuda.so.1, or the library
+        $ENCGATE_CUDA_LIBRARY names) through ctypes: cuMemGetAddressRange
+        finds the allocation's base, cuIpcGetMemHandle exports it, and the
+        offset inside it is sent along. PyTorch's own export
+        (``UntypedStorage._share_cuda_``) is not used: it also registers a
+        reference count that the consumer is meant to drop when it frees
+        its mapping, which the agent, closing the handle before it answers,
+        never does, so PyTorch would keep the block forever. An allocation
+        CUDA cannot export (PyTorch's expandable segments, cuMemMap) raises
+        OSError naming the driver's error; stage_tensor works for those.
+
+        Agents without CUDA answer HTTP 501 (AgentError) naming why.
+        """
+        _check_id(req_id)
+        if not getattr(tensor, "is_cuda", False):
+            raise ValueError("stage_cuda wants a CUDA tensor; use stage_tensor for one on %s" % (getattr(tensor, "device", "?"),))
+        if tensor.dim() != 2:
+            raise ValueError("want a 2-D tensor [tokens, dim], got shape %s" % (tuple(tensor.shape),))
+        dtype = str(tensor.dtype).rpartition(".")[2]
+        if dtype not in ELEMENT_SIZES:
+            raise ValueError("unsupported tensor dtype %s (want one of %s)" % (tensor.dtype, ", ".join(ELEMENT_SIZES)))
+        t = tensor if tensor.is_contiguous() else tensor.contiguous()
+        device = int(t.device.index or 0)
+        torch = sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "cuda"):
+            torch.cuda.current_stream(t.device).synchronize()
+        tokens, dim = (int(n) for n in t.shape)
+        handle, offset = _cuda_export(int(t.data_ptr()), device)
+        answer = self.stage_cuda_handle(req_id, handle, device, tokens, dim, dtype, offset)
+        del t  # kept alive until the agent has copied it
+        return answer
+
+    def stage_cuda_handle(self, req_id: str, handle: bytes, device: int, tokens: int, dim: int, dtype: str,
+                          offset: int = 0) -> Dict[str, Any]:
+        """Stages req_id's embedding from device memory another way
+        exported: handle is the 64-byte CUDA IPC memory handle
+        (cudaIpcGetMemHandle / cuIpcGetMemHandle) of the allocation on
+        device (its ordinal) that holds the C-order [tokens, dim] array of
+        dtype at offset bytes. The memory must stay allocated and unchanged
+        until this returns."""
+        _check_id(req_id)
+        tokens, dim, _ = _shape(tokens, dim, dtype)
+        if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+            raise ValueError("handle must be the 64 bytes of a CUDA IPC memory handle")
+        device = _integer("device", device, 0)
+        offset = _integer("offset", offset, 0)
+        query: Dict[str, Any] = {"req_id": req_id, "tokens": tokens, "dim": dim, "dtype": dtype, "source": "cuda",
+                                 "device": device, "handle": bytes(handle).hex()}
+        if offset:
+            query["offset"] = offset
+        return self._post("/v1/stage", query, None)
 
     def stage_ack(self, req_id: str, frame: bytes) -> Dict[str, Any]:
         """Stages req_id's ack frame: the pickled EmbeddingData without its
