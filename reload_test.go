@@ -396,3 +396,49 @@ func TestSIGHUPReload(t *testing.T) {
 	}
 	t.Logf("%d requests, all answered 200, across one applied and two refused reloads", sent.Load())
 }
+
+// TestSIGHUPRereadsTheAdminTokenFile: a gateway process whose admin token
+// is in admin.token_file takes a rewritten file at the next SIGHUP, with
+// the config file itself unchanged: the old token is then refused on
+// /admin/... and the new one accepted.
+func TestSIGHUPRereadsTheAdminTokenFile(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a gateway process")
+	}
+	const first, second = "sighup-admin-token-first-01", "sighup-admin-token-second-01"
+	tokenFile := writeTemp(t, "admin.token", first+"\n")
+	p := startGatewayProc(t, writeTemp(t, "gw.yaml", reloadConfig(encoderEntry("enc-a", "http://127.0.0.1:1"))+
+		fmt.Sprintf("admin:\n  token_file: %q\n", tokenFile)))
+	client := &http.Client{Timeout: 10 * time.Second}
+	defer client.CloseIdleConnections()
+	get := func(token string) int {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, p.admin+"/admin/upstreams", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if a, b := get(first), get(second); a != 200 || b != http.StatusUnauthorized {
+		t.Fatalf("before the rotation: the file's token %d, the next one %d", a, b)
+	}
+	if err := os.WriteFile(tokenFile, []byte(second+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, `the "config reloaded" log line`, func() bool { _, ok := p.logLine("config reloaded", 0); return ok })
+	if a, b := get(first), get(second); a != http.StatusUnauthorized || b != 200 {
+		t.Fatalf("after the rotation and SIGHUP: the old token %d (want 401), the new one %d (want 200)", a, b)
+	}
+	if strings.Contains(p.log(), first) || strings.Contains(p.log(), second) {
+		t.Errorf("the log shows a token:\n%s", p.log())
+	}
+}

@@ -4,9 +4,9 @@ package deploy
 // strictly into the real API types, every encgate container runs a real
 // subcommand with real flags on a config from the ConfigMaps that the real
 // loaders accept, every probe is served where it points, and the pieces
-// (Services, the PodDisruptionBudget, the Redis address, the token Secret)
-// name each other correctly. The configs are also run: the built binary
-// serves the manifests' probe paths on loopback.
+// (Services, the PodDisruptionBudget, the Redis address and password, the
+// Secrets) name each other correctly. The configs are also run: the built
+// binary serves the manifests' probe paths on loopback.
 
 import (
 	"bufio"
@@ -45,6 +45,7 @@ import (
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
 	"github.com/encgate/encgate/internal/redistest"
+	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 )
 
 const (
@@ -516,37 +517,53 @@ func (kit *kubeKit) configMapFile(ps *corev1.PodSpec, c *corev1.Container, p str
 	return data, nil
 }
 
-// checkSecretFile checks that token file p comes from a Secret of the kit,
-// with a key it holds, in a mode that the token reader accepts (nothing
-// for others) and that the container's user can read (group, via fsGroup:
-// the kubelet writes the files as root). It returns the Secret's value.
-func (kit *kubeKit) checkSecretFile(ps *corev1.PodSpec, c *corev1.Container, p string) (string, error) {
-	f, err := kubeResolve(ps, c, p)
-	if err != nil {
-		return "", err
-	}
-	if f.volume.Secret == nil {
-		return "", fmt.Errorf("%s comes from volume %s, not from a Secret", p, f.volume.Name)
-	}
-	s, ok := kit.secrets[f.volume.Secret.SecretName]
+// kubeSecretRef is a key of one of the kit's Secrets, with its value.
+type kubeSecretRef struct{ secret, key, value string }
+
+// secretValue is the value of key in the kit's Secret name.
+func (kit *kubeKit) secretValue(name, key string) (kubeSecretRef, error) {
+	s, ok := kit.secrets[name]
 	if !ok {
-		return "", fmt.Errorf("%s: the kit has no Secret %s", p, f.volume.Secret.SecretName)
+		return kubeSecretRef{}, fmt.Errorf("the kit has no Secret %s", name)
 	}
-	value, ok := s.StringData[f.key]
+	value, ok := s.StringData[key]
 	if !ok {
-		b, ok := s.Data[f.key]
+		b, ok := s.Data[key]
 		if !ok {
-			return "", fmt.Errorf("%s: Secret %s has no key %s", p, s.Name, f.key)
+			return kubeSecretRef{}, fmt.Errorf("Secret %s has no key %s", name, key)
 		}
 		value = string(b)
 	}
+	return kubeSecretRef{name, key, value}, nil
+}
+
+// checkSecretFile checks that secret file p (a token or password file)
+// comes from a Secret of the kit, with a key it holds, in a mode that the
+// secret file reader accepts (nothing for others) and that the container's
+// user can read (group, via fsGroup: the kubelet writes the files as root).
+// It returns the Secret's key and value.
+func (kit *kubeKit) checkSecretFile(ps *corev1.PodSpec, c *corev1.Container, p string) (kubeSecretRef, error) {
+	f, err := kubeResolve(ps, c, p)
+	if err != nil {
+		return kubeSecretRef{}, err
+	}
+	if f.volume.Secret == nil {
+		return kubeSecretRef{}, fmt.Errorf("%s comes from volume %s, not from a Secret", p, f.volume.Name)
+	}
+	ref, err := kit.secretValue(f.volume.Secret.SecretName, f.key)
+	if err != nil {
+		return kubeSecretRef{}, fmt.Errorf("%s: %w", p, err)
+	}
+	if f.mount.SubPath != "" {
+		return kubeSecretRef{}, fmt.Errorf("%s is mounted with subPath %s: the kubelet never updates such a file, so a changed Secret would not reach it", p, f.mount.SubPath)
+	}
 	if f.mode&0o007 != 0 {
-		return "", fmt.Errorf("%s has mode %04o: the token reader refuses a file others may read (set defaultMode: 0440)", p, f.mode)
+		return kubeSecretRef{}, fmt.Errorf("%s has mode %04o: the secret file reader refuses a file others may read (set defaultMode: 0440)", p, f.mode)
 	}
 	if f.mode&0o040 == 0 || ps.SecurityContext == nil || ps.SecurityContext.FSGroup == nil {
-		return "", fmt.Errorf("%s has mode %04o and the pod fsGroup %v: a root-owned file the non-root user cannot read", p, f.mode, kubeFSGroup(ps))
+		return kubeSecretRef{}, fmt.Errorf("%s has mode %04o and the pod fsGroup %v: a root-owned file the non-root user cannot read", p, f.mode, kubeFSGroup(ps))
 	}
-	return value, nil
+	return ref, nil
 }
 
 func kubeFSGroup(ps *corev1.PodSpec) any {
@@ -594,16 +611,23 @@ func kubeSetYAML(t *testing.T, src string, sets map[string]string) string {
 	return string(out)
 }
 
-// kubeTokenFiles lists the token files a loaded config reads, by the YAML
-// path that names each.
-func kubeTokenFiles(sub string, cfg any) map[string]string {
+// kubeSecretFiles lists the secret files (tokens, the Redis password) a
+// loaded config reads, by the YAML path that names each.
+func kubeSecretFiles(sub string, cfg any) map[string]string {
 	out := map[string]string{}
 	switch sub {
 	case "gateway":
-		for i, e := range cfg.(gateway.Config).Encoders {
+		c := cfg.(gateway.Config)
+		for i, e := range c.Encoders {
 			if e.AgentTokenFile != "" {
 				out[fmt.Sprintf("encoders.%d.agent_token_file", i)] = e.AgentTokenFile
 			}
+		}
+		if f := c.Admin.TokenFile; f != "" {
+			out["admin.token_file"] = f
+		}
+		if f := c.Idempotency.Redis.PasswordFile; f != "" {
+			out["idempotency.redis.password_file"] = f
 		}
 	case "agent":
 		if f := cfg.(gpuagent.Config).Control.TokenFile; f != "" {
@@ -613,8 +637,15 @@ func kubeTokenFiles(sub string, cfg any) map[string]string {
 	return out
 }
 
-// kubeTestToken is what the test writes into the token files it makes.
+// kubeTestToken is what the test writes into the secret files it makes:
+// a valid token, and the password of the test's Redis.
 const kubeTestToken = "kube-test-token-0123456789abcdef"
+
+// kubeFieldPath is the field path a config error names for YAML path yp
+// ("encoders.0.agent_token_file" is encoders[0].agent_token_file).
+func kubeFieldPath(yp string) string {
+	return regexp.MustCompile(`\.([0-9]+)`).ReplaceAllString(yp, "[$1]")
+}
 
 // kubeLoadConfig writes content to a temp file and loads it with the
 // subcommand's loader.
@@ -631,23 +662,19 @@ func kubeLoadConfig(t *testing.T, sub, content string) (any, error) {
 }
 
 // kubeLocalConfig is a container's config, ready to load on this machine:
-// every token file it reads is rewritten to a placeholder file of mode 0600
-// in a temp dir, after checking that the Secret behind it is mounted right;
-// sets rewrites more keys (addresses, for a live run).
+// every secret file it reads is rewritten to a file of mode 0600 in a temp
+// dir holding kubeTestToken, after checking that the Secret behind it is
+// mounted right; sets rewrites more keys (addresses, for a live run).
 func (kit *kubeKit) localConfig(t *testing.T, e kubeEncgateContainer, content string, sets map[string]string) (string, any) {
 	t.Helper()
 	sub := e.c.Args[0]
-	first, _ := kubeLoadConfig(t, sub, content) // may fail on the missing token files
+	first, _ := kubeLoadConfig(t, sub, content) // may fail on the missing secret files
 	all := map[string]string{}
-	for yp, file := range kubeTokenFiles(sub, first) {
+	for yp, file := range kubeSecretFiles(sub, first) {
 		if _, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file); err != nil {
 			t.Errorf("%s: %s (%s): %v", e, yp, file, err)
 		}
-		local := filepath.Join(t.TempDir(), "token")
-		if err := os.WriteFile(local, []byte(kubeTestToken+"\n"), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		all[yp] = local
+		all[yp] = secretfiletest.Write(t, "secret", kubeTestToken+"\n", 0o600)
 	}
 	for k, v := range sets {
 		all[k] = v
@@ -1221,7 +1248,8 @@ func TestKubeServicesSelectPodsAndNamedPorts(t *testing.T) {
 
 // TestKubeGatewayUsesTheKitsRedis: the gateway config stores /send records
 // in Redis, at the address of the kit's Redis Service, whose port reaches
-// a Redis container.
+// a Redis container; that Redis requires the password the gateway reads
+// from idempotency.redis.password_file: the same key of the same Secret.
 func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 	kit := kubeLoad(t)
 	for _, e := range kit.encgateContainers() {
@@ -1235,6 +1263,15 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
 		if err != nil {
 			t.Fatal(err)
+		}
+		orig, _ := kubeLoadConfig(t, "gateway", content) // the Secret's paths
+		pwFile := orig.(gateway.Config).Idempotency.Redis.PasswordFile
+		if pwFile == "" {
+			t.Fatal("idempotency.redis.password_file is not set: the kit's Redis requires a password")
+		}
+		pw, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, pwFile)
+		if err != nil {
+			t.Fatalf("idempotency.redis.password_file: %v", err)
 		}
 		_, loaded := kit.localConfig(t, e, content, nil)
 		cfg := loaded.(gateway.Config)
@@ -1276,6 +1313,11 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 						if w.replicas == nil || *w.replicas != 1 {
 							t.Errorf("%s: replicas %s: the minimal Redis is one server", w, kubeCount(w.replicas))
 						}
+						if got, err := kubeRequirePass(&c); err != nil {
+							t.Errorf("%s: %v", w, err)
+						} else if got.secret != pw.secret || got.key != pw.key {
+							t.Errorf("%s requires the password of Secret %s key %s, the gateway reads Secret %s key %s", w, got.secret, got.key, pw.secret, pw.key)
+						}
 						return
 					}
 				}
@@ -1284,6 +1326,33 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 		t.Fatalf("Service %s port %d reaches no container", svc.Name, port)
 	}
 	t.Fatal("no gateway container")
+}
+
+// kubeRequirePass is the Secret key a redis-server container takes its
+// --requirepass from: the argument names an environment variable, as
+// $(NAME), that comes from a secretKeyRef (kubelet expansion, no shell).
+func kubeRequirePass(c *corev1.Container) (kubeSecretRef, error) {
+	i := slices.Index(c.Args, "--requirepass")
+	if i < 0 || i+1 == len(c.Args) {
+		return kubeSecretRef{}, fmt.Errorf("args %q set no --requirepass", c.Args)
+	}
+	m := regexp.MustCompile(`^\$\(([A-Za-z_][A-Za-z0-9_]*)\)$`).FindStringSubmatch(c.Args[i+1])
+	if m == nil {
+		return kubeSecretRef{}, fmt.Errorf("--requirepass %q: want $(NAME) of an env var from the Secret (a password in the manifest is published)", c.Args[i+1])
+	}
+	for _, ev := range c.Env {
+		if ev.Name != m[1] {
+			continue
+		}
+		if ev.ValueFrom == nil || ev.ValueFrom.SecretKeyRef == nil {
+			return kubeSecretRef{}, fmt.Errorf("env %s is not from a secretKeyRef", ev.Name)
+		}
+		if o := ev.ValueFrom.SecretKeyRef.Optional; o != nil && *o {
+			return kubeSecretRef{}, fmt.Errorf("env %s: an optional secretKeyRef starts Redis without a password when the key is missing", ev.Name)
+		}
+		return kubeSecretRef{secret: ev.ValueFrom.SecretKeyRef.Name, key: ev.ValueFrom.SecretKeyRef.Key}, nil
+	}
+	return kubeSecretRef{}, fmt.Errorf("--requirepass names $(%s), which the container's env does not define (the kubelet would pass it literally)", m[1])
 }
 
 // kubeKeyPaths lists the dotted key paths of a YAML document's mappings
@@ -1348,43 +1417,52 @@ func TestKubeConfigsAreComplete(t *testing.T) {
 	}
 }
 
-// TestKubeTokenPlaceholderIsRefused: the Secret's placeholder is not a
-// token the agent accepts, so the kit applied unchanged never runs with a
-// token that is published here.
-func TestKubeTokenPlaceholderIsRefused(t *testing.T) {
+// TestKubeSecretPlaceholdersAreRefused: no placeholder of the kit's
+// Secrets is a value the binary accepts, so the kit applied unchanged never
+// runs with a secret that is published here. Each secret file a config
+// reads is loaded with its Secret's value as it is (written to a file of
+// mode 0600), the others with valid test values: the load fails, naming
+// that file's field, without quoting the value.
+func TestKubeSecretPlaceholdersAreRefused(t *testing.T) {
 	kit := kubeLoad(t)
-	checked := 0
+	checked := map[string]int{}
 	for _, e := range kit.encgateContainers() {
-		if !kubeRunsSubcommand(e.c) || e.c.Args[0] != "agent" {
+		if !kubeRunsSubcommand(e.c) {
 			continue
 		}
+		sub := e.c.Args[0]
 		got, _ := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
 		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
 		if err != nil {
 			t.Fatal(err)
 		}
-		first, _ := kubeLoadConfig(t, "agent", content)
-		for yp, file := range kubeTokenFiles("agent", first) {
-			value, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file)
+		first, _ := kubeLoadConfig(t, sub, content)
+		files := kubeSecretFiles(sub, first)
+		valid := map[string]string{}
+		for yp := range files {
+			valid[yp] = secretfiletest.Write(t, "secret", kubeTestToken+"\n", 0o600)
+		}
+		for yp, file := range files {
+			ref, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file)
 			if err != nil {
-				t.Fatalf("%s: %v", yp, err)
+				t.Fatalf("%s: %s: %v", e, yp, err)
 			}
-			local := filepath.Join(t.TempDir(), "token")
-			if err := os.WriteFile(local, []byte(value), 0o440); err != nil {
-				t.Fatal(err)
+			sets := maps.Clone(valid)
+			sets[yp] = secretfiletest.Write(t, "secret", ref.value, 0o600)
+			_, err = kubeLoadConfig(t, sub, kubeSetYAML(t, content, sets))
+			if field := kubeFieldPath(yp); err == nil || !strings.Contains(err.Error(), field+": ") {
+				t.Errorf("%s accepts the placeholder of Secret %s key %s as its %s: %v", sub, ref.secret, ref.key, field, err)
 			}
-			_, err = kubeLoadConfig(t, "agent", kubeSetYAML(t, content, map[string]string{yp: local}))
-			if err == nil || !strings.Contains(err.Error(), yp) {
-				t.Errorf("the agent accepts the Secret's placeholder as its token (%s): %v", yp, err)
+			if ref.value != "" && strings.Contains(fmt.Sprint(err), ref.value) {
+				t.Errorf("%s's error quotes the placeholder: %v", sub, err)
 			}
-			if strings.Contains(fmt.Sprint(err), value) {
-				t.Errorf("the agent's error quotes the token: %v", err)
-			}
-			checked++
+			checked[sub+" "+yp]++
 		}
 	}
-	if checked == 0 {
-		t.Fatal("the agent reads no token file")
+	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway idempotency.redis.password_file"} {
+		if checked[want] == 0 {
+			t.Errorf("no Secret placeholder checked for the %s: the config reads no such file", want)
+		}
 	}
 }
 
@@ -1477,8 +1555,9 @@ func kubeGet(t *testing.T, url, token string) int {
 }
 
 // TestKubeProbesAnswerOnTheRealProcesses runs each encgate container's
-// args on its ConfigMap's config (addresses moved to loopback, token files
-// and the Redis address to the test's own) and asks each of its probe
+// args on its ConfigMap's config (addresses moved to loopback, secret files
+// and the Redis address, of a Redis requiring the password, to the test's
+// own) and asks each of its probe
 // paths where the probe points: 200. The gateway's drain is what the
 // probes are sized for: after SIGTERM /readyz fails while /healthz passes
 // and the listener still accepts.
@@ -1504,7 +1583,9 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 			switch sub {
 			case "gateway":
 				sets["bootstrap.listen"] = "127.0.0.1:0"
-				sets["idempotency.redis.addr"] = redistest.Start(t).Addr()
+				// The kit's Redis requires the password the gateway reads
+				// from its password_file: kubeTestToken here.
+				sets["idempotency.redis.addr"] = redistest.Start(t, redistest.WithPassword(kubeTestToken)).Addr()
 			case "agent":
 				// Short: a Unix socket path has 107 bytes at most.
 				sockDir, err = os.MkdirTemp("", "kube")
@@ -1570,6 +1651,16 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 					t.Errorf("the agent did not drain cleanly on SIGTERM: %v\n%s", err, proc.logText())
 				}
 			case "gateway":
+				// admin.token_file's token guards /admin/...; with it, a
+				// /send record is read from Redis, which took the password
+				// of password_file (a refused AUTH is a 503 here).
+				sends := "http://" + admin + "/admin/sends/kube_local_part_0"
+				if code := kubeGet(t, sends, ""); code != http.StatusUnauthorized {
+					t.Errorf("GET /admin/sends without the admin token: %d, want 401", code)
+				}
+				if code := kubeGet(t, sends, kubeTestToken); code != http.StatusOK {
+					t.Errorf("GET /admin/sends with the admin token: %d, want 200 (from Redis, authenticated)", code)
+				}
 				if err := proc.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 					t.Fatal(err)
 				}

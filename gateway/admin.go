@@ -57,7 +57,7 @@ const bearerRealm = "encgate admin"
 // not even the length leaks.
 func (s *Server) requireToken(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch o := bearer.Authorize(r.Header.Get("Authorization"), s.conf().Admin.Token); o {
+		switch o := bearer.Authorize(r.Header.Get("Authorization"), s.conf().Admin.token()); o {
 		case bearer.Allowed:
 			h.ServeHTTP(w, r)
 		default:

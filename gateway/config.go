@@ -96,14 +96,22 @@ type ShutdownConfig struct {
 	Delay configfile.Duration `yaml:"delay"`
 }
 
-// AdminConfig protects and bounds the admin listener. Only Token changes
-// on a reload; the bounds need a restart, as the listeners' do.
+// AdminConfig protects and bounds the admin listener. Only the token
+// (Token or TokenFile) changes on a reload; the bounds need a restart, as
+// the listeners' do.
 type AdminConfig struct {
 	// Token, when set, is required as "Authorization: Bearer <token>" on
 	// /admin/... and /debug/pprof/...; /healthz, /readyz and /metrics stay
 	// open. At least 16 characters of RFC 6750's token alphabet. Default
-	// empty: no token. A reload applies a new token at once.
+	// empty: no token. A reload applies a new token at once. Prefer
+	// TokenFile where the config itself is not secret (a ConfigMap).
 	Token string `yaml:"token" reload:"live"`
+	// TokenFile holds the token instead (bearer.ReadFile: one line, mode
+	// 0600 or 0640, the rules of Token). Set at most one of Token and
+	// TokenFile. It is read at start and again on every reload, so that
+	// rewriting it (a rotated Kubernetes Secret) and reloading applies the
+	// new token; a file that cannot be read refuses the reload.
+	TokenFile string `yaml:"token_file" reload:"live"`
 	// MaxConns bounds open connections to the admin listener (default 64;
 	// 1 to 65536): a few scrapers, the probes and an operator need far
 	// fewer, and without a bound idle admin connections can take every
@@ -120,6 +128,39 @@ type AdminConfig struct {
 	// (default 120s: above Prometheus's 1-minute default scrape interval,
 	// so a scraper keeps its connection between scrapes).
 	IdleTimeout configfile.Duration `yaml:"idle_timeout" reload:"restart"`
+
+	// fileToken is TokenFile's token as New or Reload last read it; no key
+	// of the file. The request path reads token(), never the file.
+	fileToken string `reload:"live"`
+}
+
+// token is the token the admin routes require, "" for none: TokenFile's
+// as read by readToken, or Token. A TokenFile never read (a config that
+// did not come through New or Reload) fails closed: its token is a NUL,
+// which net/http refuses in a header, so no request carries it.
+func (a AdminConfig) token() string {
+	switch {
+	case a.TokenFile == "":
+		return a.Token
+	case a.fileToken == "":
+		return "\x00"
+	}
+	return a.fileToken
+}
+
+// readToken reads TokenFile into the config that New or Reload puts in
+// force (nothing to read without one). Its error names the field path.
+func (a *AdminConfig) readToken(path string) error {
+	if a.TokenFile == "" {
+		a.fileToken = ""
+		return nil
+	}
+	t, err := bearer.ReadFile(a.TokenFile)
+	if err != nil {
+		return fmt.Errorf("%s.token_file: %w", path, err)
+	}
+	a.fileToken = t
+	return nil
 }
 
 // Defaults and bounds of the admin section's connection limits.
@@ -305,7 +346,16 @@ func (a AdminConfig) Validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".read_timeout", a.ReadTimeout)
 	p.Positive(path+".idle_timeout", a.IdleTimeout)
-	bearer.Check(p, path+".token", a.Token)
+	switch {
+	case a.Token != "" && a.TokenFile != "":
+		p.Addf(path+".token_file", "set at most one of token and token_file")
+	case a.TokenFile != "":
+		if _, err := bearer.ReadFile(a.TokenFile); err != nil {
+			p.Addf(path+".token_file", "%v", err)
+		}
+	default:
+		bearer.Check(p, path+".token", a.Token)
+	}
 }
 
 func checkAddr(p *configfile.Problems, path, addr string) {

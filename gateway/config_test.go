@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -9,6 +10,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -172,4 +174,82 @@ func TestEveryConfigSectionDeclaresItsReload(t *testing.T) {
 		}
 	}
 	check(reflect.TypeOf(Config{}), "")
+}
+
+// admin.token_file and idempotency.redis.password_file, through the real
+// loader: each takes its secret from a file of mode 0600 or 0640, and is
+// refused, with its field path, beside its inline key, on a file others
+// may read, on a missing file, and (the token) on a token admin.token
+// would refuse. No error quotes a secret.
+func TestSecretFileKeysLoad(t *testing.T) {
+	const token, password = "admin-token-from-a-file-0123", "redis password from a file"
+	good := secretfiletest.Write(t, "token", token+"\n", 0o600)
+	goodGroup := secretfiletest.Write(t, "token", token+"\n", 0o640)
+	open := secretfiletest.Write(t, "token", token+"\n", 0o644)
+	short := secretfiletest.Write(t, "token", "hunter2\n", 0o600)
+	pwGood := secretfiletest.Write(t, "password", password+"\n", 0o640)
+	pwOpen := secretfiletest.Write(t, "password", password+"\n", 0o604)
+	missing := filepath.Join(t.TempDir(), "missing")
+	load := func(admin, redis string) (Config, error) {
+		t.Helper()
+		body := "encoders:\n  - {name: a, url: \"http://127.0.0.1:30001\"}\nadmin:\n" + admin +
+			"idempotency:\n  store: redis\n  redis:\n" + redis
+		return LoadConfig(secretfiletest.Write(t, "gateway.yaml", body, 0o600))
+	}
+	line := func(key, value string) string { return fmt.Sprintf("    %s: %q\n", key, value) }
+	adminLine := func(key, value string) string { return strings.TrimPrefix(line(key, value), "  ") }
+
+	for _, file := range []string{good, goodGroup} {
+		cfg, err := load(adminLine("token_file", file), line("password_file", pwGood))
+		if err != nil {
+			t.Fatalf("token_file %s: %v", file, err)
+		}
+		if cfg.Admin.TokenFile != file || cfg.Admin.Token != "" || cfg.Idempotency.Redis.PasswordFile != pwGood {
+			t.Errorf("loaded %+v / %+v", cfg.Admin, cfg.Idempotency.Redis)
+		}
+		if tok := cfg.Admin.token(); tok == "" || tok == token {
+			t.Errorf("before the file is read the token in force is %q: want one that no request carries (closed, not open)", tok)
+		}
+		if err := cfg.Admin.readToken("admin"); err != nil || cfg.Admin.token() != token {
+			t.Errorf("the token in force is not the file's: %v", err)
+		}
+		if c, err := cfg.Idempotency.Redis.Client(1); err != nil {
+			t.Errorf("the Redis client: %v", err)
+		} else {
+			_ = c.Close()
+		}
+	}
+
+	for _, tc := range []struct {
+		name         string
+		admin, redis string
+		want         string
+	}{
+		{"both tokens", adminLine("token", token) + adminLine("token_file", good), "",
+			"admin.token_file: set at most one of token and token_file"},
+		{"open token file", adminLine("token_file", open), "",
+			"admin.token_file: token file " + open + " has mode 0644, which grants others access: chmod 600 (or 640) it"},
+		{"missing token file", adminLine("token_file", missing), "",
+			"admin.token_file: open " + missing + ": no such file or directory"},
+		{"short token in the file", adminLine("token_file", short), "",
+			"admin.token_file: token file " + short + ": the token must be at least 16 characters, got 7"},
+		{"both passwords", "", line("password", password) + line("password_file", pwGood),
+			"idempotency.redis.password_file: set at most one of password and password_file"},
+		{"open password file", "", line("password_file", pwOpen),
+			"idempotency.redis.password_file: password file " + pwOpen + " has mode 0604, which grants others access: chmod 600 (or 640) it"},
+		{"missing password file", "", line("password_file", missing),
+			"idempotency.redis.password_file: open " + missing + ": no such file or directory"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := load(tc.admin, tc.redis)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("LoadConfig: %v, want %q", err, tc.want)
+			}
+			for _, secret := range []string{token, password, "hunter2"} {
+				if strings.Contains(err.Error(), secret) {
+					t.Errorf("the error quotes a secret: %v", err)
+				}
+			}
+		})
+	}
 }

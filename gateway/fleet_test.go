@@ -23,6 +23,7 @@ import (
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/dnstest"
 	"github.com/encgate/encgate/internal/redistest"
+	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -480,5 +481,44 @@ func TestFleetMergeDedupesAndDrains(t *testing.T) {
 	list, _ = f.merge(static)
 	if g := got(list); len(g) != 3 || g[2] != "10.0.0.3:30000 dns draining=false joining=true" {
 		t.Fatalf("after 10.0.0.3 came back: %v", g)
+	}
+}
+
+// Both Redis clients of a gateway (the /send store's and the bootstrap
+// registry's) authenticate with idempotency.redis.password_file: two
+// replicas on a Redis that requires the password share a registration and
+// a /send record.
+func TestRedisPasswordFileAuthenticatesBothClients(t *testing.T) {
+	const password = "the redis password 0123"
+	rd := redistest.Start(t, redistest.WithPassword(password))
+	file := secretfiletest.Write(t, "redis.password", password+"\n", 0o640)
+	redisCfg := func(c *Config) {
+		c.Idempotency.Store = "redis"
+		c.Idempotency.Redis.Addr = rd.Addr()
+		c.Idempotency.Redis.PasswordFile = file
+	}
+	a, b := dynamicGateway(t, redisCfg), dynamicGateway(t, redisCfg)
+	enc := registeredFakes(t, 1, "http://"+a.BootstrapAddr())[0] // registered with a only
+	eventually(t, "b to list the encoder registered with a", func() bool {
+		return strings.Contains(do(t, http.MethodGet, "http://"+b.BootstrapAddr()+"/list_encoder_urls", "").body, enc.URL())
+	})
+	for _, g := range []*gw{a, b} {
+		eventually(t, "the registered encoder usable on "+g.base, func() bool {
+			rows := upstreamRows(t, g)
+			return len(rows) == 1 && rows[0].Usable
+		})
+	}
+	id := "pw_local_part_0"
+	if x := post(t, a.base+"/encode", encodeBody(id)); x.status != 200 {
+		t.Fatalf("/encode: %d %s", x.status, x.body)
+	}
+	if x := post(t, a.base+"/send", tpSend(id, 0, 2)); x.status != 200 || x.header.Get("X-Encgate-Replayed") != "" {
+		t.Fatalf("/send on a: %d %q %s", x.status, x.header.Get("X-Encgate-Replayed"), x.body)
+	}
+	if y := post(t, b.base+"/send", tpSend(id, 0, 2)); y.status != 200 || y.header.Get("X-Encgate-Replayed") != "true" {
+		t.Fatalf("the duplicate /send on b: %d replayed=%q %s (b's store did not read a's record)", y.status, y.header.Get("X-Encgate-Replayed"), y.body)
+	}
+	if n := sendsReceived(enc, id); n != 1 {
+		t.Errorf("the encoder received %d /sends of %s, want 1", n, id)
 	}
 }

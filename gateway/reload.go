@@ -24,6 +24,12 @@ func (s *Server) Reload(next Config) error {
 	cur := s.conf()
 	merged := next
 	restart := keepRestartOnly(reflect.ValueOf(cur).Elem(), reflect.ValueOf(&merged).Elem(), "")
+	// admin.token_file is read again even when its path is unchanged: a
+	// rewritten file (a rotated Secret) is what the reload is for.
+	if err := merged.Admin.readToken("admin"); err != nil {
+		s.metrics.reloads.WithLabelValues("refused").Inc()
+		return err
+	}
 	// Encoders and upstream apply at once, so a reload can ask for more
 	// descriptors than the process may open: refuse it as New would.
 	if _, err := Descriptors(merged, s.fds, true); err != nil {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -527,5 +529,68 @@ func TestReloadMovingAnEncoderFailsItsPinsFast(t *testing.T) {
 	// New work goes to the new URL.
 	if b := post(t, g.base+"/encode", encodeBody("fresh_local_part_0")); b.status != 200 || encs[1].Stats().Routes["/encode"] != 1 {
 		t.Fatalf("new /encode after the move: %d", b.status)
+	}
+}
+
+// admin.token_file is read at start and again on every reload: after the
+// file is rewritten (a rotated Secret) and the config reloaded unchanged,
+// the old token is refused and the new one accepted on /admin/.... A
+// reload whose file turned unreadable is refused and the token in force
+// stays. The status page names the file, never the token.
+func TestAdminTokenFileIsReadAgainOnReload(t *testing.T) {
+	const first, second = "admin-token-first-0123456", "admin-token-second-0123456"
+	file := secretfiletest.Write(t, "admin.token", first+"\n", 0o600)
+	g := startGateway(t, fakeURLs(startFakes(t, 1, nil)), func(c *Config) { c.Admin.TokenFile = file })
+	get := func(token string) answer {
+		t.Helper()
+		return doWith(t, http.MethodGet, g.admin+"/admin/upstreams", "", http.Header{"Authorization": {"Bearer " + token}})
+	}
+	refused := func(token string) {
+		t.Helper()
+		a := get(token)
+		wantEnvelopeMsg(t, a, http.StatusUnauthorized, "encgate: the bearer token is not admin.token", nil)
+		if got := a.header.Get("WWW-Authenticate"); !strings.Contains(got, `error="invalid_token"`) {
+			t.Errorf("WWW-Authenticate %q", got)
+		}
+	}
+	if a := do(t, http.MethodGet, g.admin+"/admin/upstreams", ""); a.status != http.StatusUnauthorized {
+		t.Fatalf("/admin/upstreams without a token: %d", a.status)
+	}
+	if a := get(first); a.status != 200 {
+		t.Fatalf("the file's token: %d %s", a.status, a.body)
+	}
+
+	if err := os.WriteFile(file, []byte(second+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	refused(second) // not before the reload
+	if err := g.Reload(nextConfig(g)); err != nil {
+		t.Fatalf("Reload: %v", err)
+	}
+	refused(first)
+	if a := get(second); a.status != 200 {
+		t.Fatalf("the rewritten file's token after the reload: %d %s", a.status, a.body)
+	}
+
+	if err := os.Chmod(file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	err := g.Reload(nextConfig(g))
+	if err == nil || !strings.Contains(err.Error(), "admin.token_file: token file "+file+" has mode 0644") {
+		t.Fatalf("Reload of an open token file = %v", err)
+	}
+	if a := get(second); a.status != 200 {
+		t.Fatalf("the token in force after the refused reload: %d %s", a.status, a.body)
+	}
+	wantLines(t, scrape(t, g), `encgate_config_reloads_total{result="refused"} 1`, `encgate_config_reloads_total{result="applied"} 1`)
+
+	status := doWith(t, http.MethodGet, g.admin+"/", "", http.Header{"Authorization": {"Bearer " + second}})
+	if status.status != 200 || !strings.Contains(status.body, "set from admin.token_file "+file+" (not shown)") {
+		t.Errorf("the status page: %d, want the token file named:\n%s", status.status, status.body)
+	}
+	for _, tok := range []string{first, second} {
+		if strings.Contains(status.body, tok) || strings.Contains(err.Error(), tok) {
+			t.Errorf("the status page or the refusal shows a token")
+		}
 	}
 }

@@ -75,6 +75,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := cfg.Admin.readToken("admin"); err != nil {
+		return nil, err
+	}
 	clk := deps.Clock
 	if clk == nil {
 		clk = clock.Real{}
@@ -104,7 +107,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = store.Close()
 		return nil, err
 	}
-	s.sources = s.newSources(cfg)
+	if s.sources, err = s.newSources(cfg); err != nil {
+		pool.Close()
+		_ = store.Close()
+		return nil, err
+	}
 	acceptErrors := newAcceptErrors(deps.Registry)
 	s.conns = newConnLimiter(listenerOptions{name: "main", max: cfg.Limits.MaxConns, linger: maxLingering,
 		key: "limits.max_conns", what: "connections", one: "connection", counter: "encgate_connections_rejected_total"}, clk, log, acceptErrors)

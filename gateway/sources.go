@@ -33,13 +33,17 @@ type sources struct {
 
 // newSources builds the registry (shared through Redis when the /send store
 // is Redis, so that every replica serves the same fleet), the DNS source and
-// the registrar. Nothing runs until start.
-func (s *Server) newSources(cfg Config) *sources {
+// the registrar. Nothing runs until start; the error is a password_file
+// that cannot be read.
+func (s *Server) newSources(cfg Config) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		store := discovery.NewMemoryStore()
 		if cfg.Idempotency.Store == "redis" {
-			kv := cfg.Idempotency.Redis.Client(4)
+			kv, err := cfg.Idempotency.Redis.Client(4)
+			if err != nil {
+				return nil, err
+			}
 			store = discovery.NewRedisStore(kv, cfg.Idempotency.Redis.KeyPrefix)
 			src.closeKV = kv.Close
 		}
@@ -62,7 +66,7 @@ func (s *Server) newSources(cfg Config) *sources {
 		src.registrar = discovery.NewRegistrar(cfg.registrar(), discovery.RegistrarDeps{
 			Log: s.log.Named("registrar"), Registry: s.reg, Clock: s.clk})
 	}
-	return src
+	return src, nil
 }
 
 // start listens on bootstrap.listen and starts every source.

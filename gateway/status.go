@@ -78,7 +78,10 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 	}
 	v.Counters = statuspage.Gather(s.reg, statusFamilies)
 	token := "not set"
-	if c.Admin.Token != "" {
+	switch {
+	case c.Admin.TokenFile != "":
+		token = "set from admin.token_file " + c.Admin.TokenFile + " (not shown)"
+	case c.Admin.Token != "":
 		token = "set (not shown)"
 	}
 	y, _ := yaml.Marshal(reloadable{Encoders: c.Encoders, Upstream: c.Upstream, Retry: c.Retry, Breaker: c.Breaker,

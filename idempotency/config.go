@@ -47,11 +47,16 @@ type Config struct {
 
 // RedisConfig configures the redis store.
 type RedisConfig struct {
-	Addr      string `yaml:"addr"`       // host:port (default 127.0.0.1:6379)
-	Username  string `yaml:"username"`   // ACL user (default none)
-	Password  string `yaml:"password"`   // (default none)
-	DB        int    `yaml:"db"`         // database number (default 0)
-	KeyPrefix string `yaml:"key_prefix"` // prefix of every key and channel (default "encgate:")
+	Addr     string `yaml:"addr"`     // host:port (default 127.0.0.1:6379)
+	Username string `yaml:"username"` // ACL user (default none)
+	Password string `yaml:"password"` // (default none); prefer PasswordFile
+	// PasswordFile holds the password instead (secretfile.Read: mode 0600
+	// or 0640, surrounding whitespace dropped), so that the config need not
+	// be secret. Set at most one of Password and PasswordFile. Read when the
+	// client is built, at start (the section needs a restart).
+	PasswordFile string `yaml:"password_file"`
+	DB           int    `yaml:"db"`         // database number (default 0)
+	KeyPrefix    string `yaml:"key_prefix"` // prefix of every key and channel (default "encgate:")
 	// FailOpen forwards /sends without dedupe while Redis is unreachable
 	// (counted in encgate_idempotency_fail_open_total). Off by default: the
 	// caller then gets a 503 envelope and nothing is forwarded.
@@ -109,6 +114,14 @@ func (c Config) Validate(p *configfile.Problems, path string) {
 	r, rp := c.Redis, path+".redis"
 	if r.Addr == "" || !strings.Contains(r.Addr, ":") {
 		p.Addf(rp+".addr", "must be host:port, got %q", r.Addr)
+	}
+	switch {
+	case r.Password != "" && r.PasswordFile != "":
+		p.Addf(rp+".password_file", "set at most one of password and password_file")
+	case r.PasswordFile != "":
+		if _, err := r.password(); err != nil {
+			p.Addf(rp+".password_file", "%v", err)
+		}
 	}
 	if r.DB < 0 {
 		p.Addf(rp+".db", "must be >= 0, got %d", r.DB)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
@@ -40,7 +41,14 @@ func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 		// forwarded with fail_open) until it is back.
 		ctx, cancel := context.WithTimeout(context.Background(), cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D())
 		defer cancel()
-		if err := r.Ping(ctx); err != nil {
+		switch err := r.Ping(ctx); {
+		case err == nil:
+		case redis.IsAuthError(err):
+			// Redis answers but refuses the credentials: a config or Secret
+			// that disagrees with the server's, not an outage.
+			log.Error("redis refuses the gateway's credentials (idempotency.redis.username, password or password_file); /sends are refused until it accepts them",
+				zap.String("addr", cfg.Redis.Addr), zap.Bool("fail_open", cfg.Redis.FailOpen), zap.Error(err))
+		default:
 			log.Warn("redis is not reachable yet; /sends are refused until it is", zap.String("addr", cfg.Redis.Addr),
 				zap.Bool("fail_open", cfg.Redis.FailOpen), zap.Error(err))
 		}

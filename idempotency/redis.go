@@ -17,16 +17,31 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/secretfile"
 )
+
+// password is the configured password: PasswordFile's content, or
+// Password.
+func (cfg RedisConfig) password() (string, error) {
+	if cfg.PasswordFile != "" {
+		return secretfile.Read(cfg.PasswordFile, "password file")
+	}
+	return cfg.Password, nil
+}
 
 // Client returns a client for the configured server with poolSize
 // connections: the store's, and the one the gateway's bootstrap registry
-// shares registrations through.
-func (cfg RedisConfig) Client(poolSize int) *redis.Client {
+// shares registrations through. It reads password_file (its error names
+// the field path) but does not contact Redis.
+func (cfg RedisConfig) Client(poolSize int) (*redis.Client, error) {
+	pw, err := cfg.password()
+	if err != nil {
+		return nil, fmt.Errorf("idempotency.redis.password_file: %w", err)
+	}
 	return redis.NewClient(&redis.Options{
 		Addr:                  cfg.Addr,
 		Username:              cfg.Username,
-		Password:              cfg.Password,
+		Password:              pw,
 		DB:                    cfg.DB,
 		DialTimeout:           cfg.DialTimeout.D(),
 		ReadTimeout:           cfg.Timeout.D(),
@@ -38,7 +53,7 @@ func (cfg RedisConfig) Client(poolSize int) *redis.Client {
 		MaxRetries:      1,
 		DialerRetries:   1,
 		DisableIdentity: true,
-	})
+	}), nil
 }
 
 // Redis is the store that several gateway replicas share. Each Store method
@@ -200,7 +215,10 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk cl
 	if maxDests <= 0 {
 		maxDests = DefaultConfig().MaxDestinationsPerReqID
 	}
-	c := cfg.Client(cfg.PoolSize)
+	c, err := cfg.Client(cfg.PoolSize)
+	if err != nil {
+		return nil, err
+	}
 	life, end := context.WithCancel(context.Background())
 	return &Redis{
 		c:         c,

@@ -20,6 +20,7 @@ import (
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redistest"
+	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 )
 
 // hangGuard bounds calls that must return by themselves; it only catches a
@@ -28,7 +29,8 @@ const hangGuard = 15 * time.Second
 
 type redisOpts struct {
 	ttl, claimTTL, poll time.Duration
-	maxDests            int // 0: the default
+	maxDests            int    // 0: the default
+	passwordFile        string // idempotency.redis.password_file
 }
 
 // newRedisStore returns a store (a "replica") on srv. By default waiters
@@ -49,6 +51,7 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	cfg.KeyPrefix = "t:"
 	cfg.PoolSize = 16
 	cfg.PollInterval = configfile.Duration(o.poll)
+	cfg.PasswordFile = o.passwordFile
 	r, err := NewRedis(cfg, o.ttl, o.claimTTL, o.maxDests, clock.Real{}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
@@ -60,7 +63,7 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 // rawClient is a plain client to look at what the store wrote.
 func rawClient(t *testing.T, srv *redistest.Server) *redis.Client {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true})
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), Password: srv.Password(), DisableIdentity: true})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
 }
@@ -417,9 +420,19 @@ func TestRedisCorruptRecordIsAnError(t *testing.T) {
 	}
 }
 
+// Also on a Redis that requires a password, with password_file: every
+// connection of the stores authenticates, the pub/sub one included.
 func TestRedisAwaitWokenByCompleteOnAnotherReplica(t *testing.T) {
-	srv := redistest.Start(t)
-	a, b := newRedisStore(t, srv, redisOpts{}), newRedisStore(t, srv, redisOpts{})
+	t.Run("no password", func(t *testing.T) { testAwaitWokenOnAnotherReplica(t, redistest.Start(t), redisOpts{}) })
+	t.Run("password_file", func(t *testing.T) {
+		const pw = "replicas' redis password"
+		o := redisOpts{passwordFile: secretfiletest.Write(t, "redis.password", pw+"\n", 0o600)}
+		testAwaitWokenOnAnotherReplica(t, redistest.Start(t, redistest.WithPassword(pw)), o)
+	})
+}
+
+func testAwaitWokenOnAnotherReplica(t *testing.T, srv *redistest.Server, o redisOpts) {
+	a, b := newRedisStore(t, srv, o), newRedisStore(t, srv, o)
 	raw := rawClient(t, srv)
 	k := Key{"aw", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
@@ -605,6 +618,12 @@ func TestNewRedisRejectsBadArguments(t *testing.T) {
 	cfg.Addr = ""
 	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil); err == nil {
 		t.Error("empty addr accepted")
+	}
+	cfg.Addr = "127.0.0.1:6379"
+	cfg.PasswordFile = secretfiletest.Write(t, "redis.password", "pw\n", 0o644)
+	want := "idempotency.redis.password_file: password file " + cfg.PasswordFile + " has mode 0644"
+	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("a password file others may read: %v, want %q", err, want)
 	}
 }
 

@@ -1,27 +1,26 @@
 // Package bearer handles the bearer tokens (RFC 6750) of encgate: the admin
-// listeners' admin.token, and the token a node's gpuagent requires on /send
-// (the gateway's encoders[].agent_token_file). It parses an Authorization
-// value, compares tokens in constant time, validates a token's length and
-// alphabet, and reads a token file.
+// listeners' admin.token (or admin.token_file), and the token a node's
+// gpuagent requires on /send (the gateway's encoders[].agent_token_file). It
+// parses an Authorization value, compares tokens in constant time, validates
+// a token's length and alphabet, and reads a token file (through
+// internal/secretfile, which the Redis password file shares).
 package bearer
 
 import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"fmt"
-	"io"
-	"os"
-	"runtime"
 	"strings"
 
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/secretfile"
 )
 
 // MinLen is the shortest token accepted.
 const MinLen = 16
 
 // MaxFileBytes bounds a token file (ReadFile).
-const MaxFileBytes = 4 << 10
+const MaxFileBytes = secretfile.MaxBytes
 
 // Parse returns the token of an "Authorization: Bearer <token>" value; the
 // scheme matches in any case (RFC 7235). ok is false for another scheme or
@@ -125,38 +124,15 @@ func IsToken68(s string) bool {
 	return true
 }
 
-// ReadFile reads the token in the file at path: its content without
-// surrounding whitespace (the trailing "\n" or "\r\n" an editor or echo
-// leaves). It refuses a file that is not a regular file, one over
-// MaxFileBytes, an empty one, one whose token fails Check, and, on Unix,
-// one whose mode grants any permission to others (as ssh refuses such a
-// key). Its errors name the path, never the token.
+// ReadFile reads the token in the file at path with secretfile.Read: its
+// content without surrounding whitespace, refused when the file is not a
+// regular file, is over MaxFileBytes, is empty, or, on Unix, grants any
+// permission to others (as ssh refuses such a key). It also refuses a token
+// that fails Check. Its errors name the path, never the token.
 func ReadFile(path string) (string, error) {
-	f, err := os.Open(path)
+	token, err := secretfile.Read(path, "token file")
 	if err != nil {
 		return "", err
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return "", err
-	}
-	if !fi.Mode().IsRegular() {
-		return "", fmt.Errorf("token file %s is not a regular file", path)
-	}
-	if perm := fi.Mode().Perm(); runtime.GOOS != "windows" && perm&0o007 != 0 {
-		return "", fmt.Errorf("token file %s has mode %04o, which grants others access: chmod 600 (or 640) it", path, perm)
-	}
-	data, err := io.ReadAll(io.LimitReader(f, MaxFileBytes+1))
-	if err != nil {
-		return "", err // a *PathError: it names the path
-	}
-	if len(data) > MaxFileBytes {
-		return "", fmt.Errorf("token file %s is over %s", path, configfile.ByteSize(MaxFileBytes))
-	}
-	token := strings.TrimSpace(string(data))
-	if token == "" {
-		return "", fmt.Errorf("token file %s is empty", path)
 	}
 	if ps := problems(token); len(ps) > 0 {
 		return "", fmt.Errorf("token file %s: the token %s", path, strings.Join(ps, "; it "))

@@ -28,10 +28,11 @@ const startTimeout = 10 * time.Second
 
 // Server is one redis-server process for one test.
 type Server struct {
-	t    testing.TB
-	bin  string
-	dir  string
-	port int
+	t        testing.TB
+	bin      string
+	dir      string
+	port     int
+	password string // requirepass; "" for none
 
 	mu   sync.Mutex // protects proc
 	proc *process   // nil while stopped
@@ -43,15 +44,26 @@ type process struct {
 	log    string
 }
 
+// Option changes how Start runs the server.
+type Option func(*Server)
+
+// WithPassword makes the server require password (requirepass): a client
+// that does not AUTH with it is refused (NOAUTH, or WRONGPASS for another
+// password). Restart keeps it.
+func WithPassword(password string) Option { return func(s *Server) { s.password = password } }
+
 // Start runs a redis-server for t on a free loopback port and stops it in
 // t.Cleanup. It skips the test when redis-server is not installed.
-func Start(t testing.TB) *Server {
+func Start(t testing.TB, opts ...Option) *Server {
 	t.Helper()
 	bin, err := exec.LookPath(Binary)
 	if err != nil {
 		t.Skipf("%s is not installed (apt-get install redis-server; .ci/run installs it): %v", Binary, err)
 	}
 	s := &Server{t: t, bin: bin, dir: t.TempDir()}
+	for _, o := range opts {
+		o(s)
+	}
 	t.Cleanup(s.stop)
 	// A free port can be taken between probing and binding: try a few.
 	var lastErr error
@@ -72,6 +84,9 @@ func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.It
 
 // Port is the server's port.
 func (s *Server) Port() int { return s.port }
+
+// Password is the password the server requires, "" for none.
+func (s *Server) Password() string { return s.password }
 
 // Kill ends the server with SIGKILL, as a crash would, and waits until it is
 // gone. The port stops answering at once.
@@ -122,7 +137,7 @@ func (s *Server) start() error {
 		return err
 	}
 	defer logf.Close()
-	cmd := exec.Command(s.bin,
+	args := []string{
 		"--port", strconv.Itoa(s.port),
 		"--bind", "127.0.0.1",
 		"--save", "",
@@ -131,7 +146,13 @@ func (s *Server) start() error {
 		"--daemonize", "no",
 		"--dir", s.dir,
 		"--logfile", "",
-	)
+	}
+	if s.password != "" {
+		// On the command line, as deploy/kubernetes/redis.yaml passes it;
+		// only the test's own processes see it.
+		args = append(args, "--requirepass", s.password)
+	}
+	cmd := exec.Command(s.bin, args...)
 	cmd.Dir = s.dir
 	cmd.SysProcAttr = dieWithParent // no orphan when a test timeout panics past cleanups
 	cmd.Stdout, cmd.Stderr = logf, logf
@@ -150,7 +171,7 @@ func (s *Server) start() error {
 			return fmt.Errorf("redis-server on port %d exited at start: %s", s.port, tail(logPath))
 		default:
 		}
-		if ping(s.Addr()) == nil {
+		if ping(s.Addr(), s.password) == nil {
 			s.mu.Lock()
 			s.proc = p
 			s.mu.Unlock()
@@ -183,23 +204,40 @@ func (s *Server) stop() {
 	}
 }
 
-// ping sends PING over a fresh connection and expects +PONG.
-func ping(addr string) error {
+// ping sends PING over a fresh connection and expects +PONG; with a
+// password it sends AUTH first and expects +OK.
+func ping(addr, password string) error {
 	c, err := net.DialTimeout("tcp", addr, time.Second)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(time.Second))
-	if _, err := c.Write([]byte("PING\r\n")); err != nil {
+	r := bufio.NewReader(c)
+	if password != "" {
+		if err := command(c, r, "+OK", "AUTH", password); err != nil {
+			return err
+		}
+	}
+	return command(c, r, "+PONG", "PING")
+}
+
+// command sends args as one RESP array (binary-safe, unlike an inline
+// command) and expects the line want.
+func command(c net.Conn, r *bufio.Reader, want string, args ...string) error {
+	req := "*" + strconv.Itoa(len(args)) + "\r\n"
+	for _, a := range args {
+		req += "$" + strconv.Itoa(len(a)) + "\r\n" + a + "\r\n"
+	}
+	if _, err := c.Write([]byte(req)); err != nil {
 		return err
 	}
-	line, err := bufio.NewReader(c).ReadString('\n')
+	line, err := r.ReadString('\n')
 	if err != nil {
 		return err
 	}
-	if strings.TrimSpace(line) != "+PONG" {
-		return errors.New("unexpected PING answer " + strconv.Quote(line))
+	if strings.TrimSpace(line) != want {
+		return errors.New("unexpected " + args[0] + " answer " + strconv.Quote(line))
 	}
 	return nil
 }
