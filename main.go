@@ -138,19 +138,22 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		}
 		return 1
 	}
+	// Signals are caught from before the listeners open: a SIGHUP sent as
+	// soon as /readyz answers must reload, not end the process (SIGHUP's
+	// default action), and a SIGTERM then must drain.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	defer signal.Stop(sigs)
 	if err := srv.Start(); err != nil {
 		log.Error("starting gateway", zap.Error(err))
 		return 1
 	}
-	return serveUntilSignal(srv, *path, cfg, log)
+	return serveUntilSignal(srv, sigs, *path, cfg, log)
 }
 
 // serveUntilSignal reloads the config on SIGHUP (an invalid file is refused
 // and the running config stays) and drains on SIGINT/SIGTERM.
-func serveUntilSignal(srv *gateway.Server, path string, cfg gateway.Config, log *zap.Logger) int {
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	defer signal.Stop(sigs)
+func serveUntilSignal(srv *gateway.Server, sigs <-chan os.Signal, path string, cfg gateway.Config, log *zap.Logger) int {
 	for draining := false; !draining; {
 		select {
 		case sig := <-sigs:
@@ -211,13 +214,15 @@ func runAgent(args []string, stdout, stderr io.Writer) int {
 		log.Error("building agent", zap.Error(err))
 		return 1
 	}
+	// Caught from before the listeners open, as the gateway does: a
+	// SIGTERM as soon as /readyz answers drains.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
 	if err := agent.Start(); err != nil {
 		log.Error("starting agent", zap.Error(err))
 		return 1
 	}
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	defer signal.Stop(sigs)
 	select {
 	case sig := <-sigs:
 		log.Info("signal received, draining", zap.String("signal", sig.String()), zap.Duration("grace", cfg.Shutdown.Grace.D()))
