@@ -36,7 +36,6 @@ import (
 type gpus struct {
 	cfg    CUDAConfig
 	pipe   pipeline.Config
-	log    *zap.Logger
 	m      *metrics
 	drv    *cuda.Driver
 	reason string // why stage-by-handle is refused; "" when drv is set
@@ -48,7 +47,7 @@ type gpus struct {
 // openGPUs loads the driver as cfg.Mode says. With required, a driver or
 // device that cannot be used is an error.
 func openGPUs(cfg CUDAConfig, pipe pipeline.Config, log *zap.Logger, m *metrics) (*gpus, error) {
-	g := &gpus{cfg: cfg, pipe: pipe, log: log, m: m, devs: map[int]*gpu{}}
+	g := &gpus{cfg: cfg, pipe: pipe, m: m, devs: map[int]*gpu{}}
 	if cfg.Mode == CUDAOff {
 		g.reason = "cuda.mode is off in this agent's config"
 		return g, nil
@@ -101,17 +100,6 @@ func (g *gpus) device(ordinal int) (*gpu, error) {
 	return d, nil
 }
 
-// close frees every lane and releases the contexts (after the store freed
-// every staged entry).
-func (g *gpus) close() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for _, d := range g.devs {
-		d.close()
-	}
-	g.devs = map[int]*gpu{}
-}
-
 // gpu is one device: its stage stream, its staged bytes, its lanes.
 type gpu struct {
 	dev  *cuda.Device
@@ -125,10 +113,10 @@ type gpu struct {
 	held      int64
 	heldGauge prometheus.Gauge // encgate_agent_staged_device_bytes{device}
 	opened    map[cuda.IPCHandle]*ipcMapping
-	// lanes holds the idle lanes; free is how many more may be made.
+	// lanes holds the idle lanes; free is how many more may be made. Lanes
+	// and contexts live as long as the process (see Agent.gpus).
 	lanes chan *lane
 	free  int
-	made  []*lane
 }
 
 // ipcMapping is an opened IPC handle; refs counts the stages using it (a
@@ -251,13 +239,11 @@ func (d *gpu) takeLane(ctx context.Context) (*lane, error) {
 		d.free--
 		d.mu.Unlock()
 		l, err := d.newLane()
-		d.mu.Lock()
 		if err != nil {
+			d.mu.Lock()
 			d.free++
-		} else {
-			d.made = append(d.made, l)
+			d.mu.Unlock()
 		}
-		d.mu.Unlock()
 		return l, err
 	}
 	d.mu.Unlock()
@@ -304,15 +290,6 @@ func (l *lane) free(dev *cuda.Device) {
 	if l.stream != nil {
 		_ = l.stream.Close()
 	}
-}
-
-func (d *gpu) close() {
-	for _, l := range d.made {
-		l.free(d.dev)
-	}
-	d.made = nil
-	_ = d.stage.Close()
-	_ = d.dev.Close()
 }
 
 // deviceMem is a staged embedding's device copy: the pipeline's device
