@@ -626,8 +626,8 @@ func kubeSecretFiles(sub string, cfg any) map[string]string {
 		if f := c.Admin.TokenFile; f != "" {
 			out["admin.token_file"] = f
 		}
-		if f := c.Idempotency.Redis.PasswordFile; f != "" {
-			out["idempotency.redis.password_file"] = f
+		if f := c.Redis.PasswordFile; f != "" {
+			out["redis.password_file"] = f
 		}
 	case "agent":
 		if f := cfg.(gpuagent.Config).Control.TokenFile; f != "" {
@@ -1249,7 +1249,7 @@ func TestKubeServicesSelectPodsAndNamedPorts(t *testing.T) {
 // TestKubeGatewayUsesTheKitsRedis: the gateway config stores /send records
 // in Redis, at the address of the kit's Redis Service, whose port reaches
 // a Redis container; that Redis requires the password the gateway reads
-// from idempotency.redis.password_file: the same key of the same Secret.
+// from redis.password_file: the same key of the same Secret.
 func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 	kit := kubeLoad(t)
 	for _, e := range kit.encgateContainers() {
@@ -1265,20 +1265,20 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 			t.Fatal(err)
 		}
 		orig, _ := kubeLoadConfig(t, "gateway", content) // the Secret's paths
-		pwFile := orig.(gateway.Config).Idempotency.Redis.PasswordFile
+		pwFile := orig.(gateway.Config).Redis.PasswordFile
 		if pwFile == "" {
-			t.Fatal("idempotency.redis.password_file is not set: the kit's Redis requires a password")
+			t.Fatal("redis.password_file is not set: the kit's Redis requires a password")
 		}
 		pw, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, pwFile)
 		if err != nil {
-			t.Fatalf("idempotency.redis.password_file: %v", err)
+			t.Fatalf("redis.password_file: %v", err)
 		}
 		_, loaded := kit.localConfig(t, e, content, nil)
 		cfg := loaded.(gateway.Config)
 		if cfg.Idempotency.Store != "redis" {
 			t.Fatalf("idempotency.store %q: the replicas must share /send records (redis)", cfg.Idempotency.Store)
 		}
-		host, port := kubePort(t, cfg.Idempotency.Redis.Addr)
+		host, port := kubePort(t, cfg.Redis.Addr)
 		name := strings.TrimSuffix(host, ".")
 		var svc *corev1.Service
 		for _, s := range kit.services {
@@ -1289,7 +1289,7 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 			}
 		}
 		if svc == nil {
-			t.Fatalf("idempotency.redis.addr %s names no Service of the kit (in namespace %s)", cfg.Idempotency.Redis.Addr, kit.namespace)
+			t.Fatalf("redis.addr %s names no Service of the kit (in namespace %s)", cfg.Redis.Addr, kit.namespace)
 		}
 		var sp *corev1.ServicePort
 		for i := range svc.Spec.Ports {
@@ -1298,7 +1298,7 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 			}
 		}
 		if sp == nil {
-			t.Fatalf("idempotency.redis.addr %s: Service %s has no port %d", cfg.Idempotency.Redis.Addr, svc.Name, port)
+			t.Fatalf("redis.addr %s: Service %s has no port %d", cfg.Redis.Addr, svc.Name, port)
 		}
 		for _, w := range kit.workloads {
 			if !kubeSubset(svc.Spec.Selector, w.pod.Labels) {
@@ -1459,7 +1459,7 @@ func TestKubeSecretPlaceholdersAreRefused(t *testing.T) {
 			checked[sub+" "+yp]++
 		}
 	}
-	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway idempotency.redis.password_file"} {
+	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway redis.password_file"} {
 		if checked[want] == 0 {
 			t.Errorf("no Secret placeholder checked for the %s: the config reads no such file", want)
 		}
@@ -1585,7 +1585,7 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 				sets["bootstrap.listen"] = "127.0.0.1:0"
 				// The kit's Redis requires the password the gateway reads
 				// from its password_file: kubeTestToken here.
-				sets["idempotency.redis.addr"] = redistest.Start(t, redistest.WithPassword(kubeTestToken)).Addr()
+				sets["redis.addr"] = redistest.Start(t, redistest.WithPassword(kubeTestToken)).Addr()
 			case "agent":
 				// Short: a Unix socket path has 107 bytes at most.
 				sockDir, err = os.MkdirTemp("", "kube")

@@ -1553,10 +1553,10 @@ func runRedisGateway(t *testing.T, tokens, dim, ackPort int, session string, add
 	cfg.Encoders = []upstream.EncoderConfig{{Name: "enc-b", URL: plain.URL()}}
 	cfg.Retry.Budget = upstream.BudgetConfig{Ratio: 0, MinPerSecond: 0, Window: configfile.Duration(10 * time.Second)}
 	cfg.Idempotency.Store = "redis"
-	cfg.Idempotency.Redis.Addr = rd.Addr()
-	cfg.Idempotency.Redis.FailOpen = true
-	cfg.Idempotency.Redis.Timeout = configfile.Duration(200 * time.Millisecond)
-	cfg.Idempotency.Redis.DialTimeout = configfile.Duration(200 * time.Millisecond)
+	cfg.Redis.Addr = rd.Addr()
+	cfg.Idempotency.FailOpen = true
+	cfg.Redis.Timeout = configfile.Duration(200 * time.Millisecond)
+	cfg.Redis.DialTimeout = configfile.Duration(200 * time.Millisecond)
 	gw := monGateway(t, cfg)
 	b := &monClient{t: t, base: "http://" + gw.Addr(), hc: &http.Client{Timeout: 30 * time.Second}}
 	t.Cleanup(b.hc.CloseIdleConnections)

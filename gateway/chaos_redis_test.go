@@ -36,9 +36,9 @@ func newRedisReplicas(t *testing.T, claimTTL time.Duration) *redisReplicas {
 	rd := redistest.Start(t)
 	c := newChaos(t, 2, func(cfg *Config) {
 		cfg.Idempotency.Store = "redis"
-		cfg.Idempotency.Redis.Addr = rd.Addr()
-		cfg.Idempotency.Redis.Timeout = configfile.Duration(200 * time.Millisecond)
-		cfg.Idempotency.Redis.DialTimeout = configfile.Duration(200 * time.Millisecond)
+		cfg.Redis.Addr = rd.Addr()
+		cfg.Redis.Timeout = configfile.Duration(200 * time.Millisecond)
+		cfg.Redis.DialTimeout = configfile.Duration(200 * time.Millisecond)
 		cfg.Idempotency.ClaimTTL = configfile.Duration(claimTTL)
 		// The second replica never saw the /encode: it routes follow-ups by
 		// rendezvous order at once, to the encoder the first placed it on.

@@ -14,6 +14,7 @@ import (
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
@@ -59,6 +60,11 @@ type Config struct {
 	Health upstream.HealthConfig `yaml:"health" reload:"live"`
 	// Idempotency controls /send deduplication.
 	Idempotency idempotency.Config `yaml:"idempotency" reload:"restart"`
+	// Redis is how the replicas reach the Redis they share (standalone,
+	// Sentinel or Cluster, over TLS where set). Read when
+	// idempotency.store is redis: then /send records, bootstrap
+	// registrations and pins all live there.
+	Redis redisclient.Config `yaml:"redis" reload:"restart"`
 	// Limits bounds what a caller can make the gateway hold.
 	Limits LimitsConfig `yaml:"limits"`
 	// Shutdown controls draining on SIGINT/SIGTERM.
@@ -225,6 +231,7 @@ func DefaultConfig() Config {
 		Breaker:     upstream.DefaultBreaker(),
 		Health:      upstream.DefaultHealth(),
 		Idempotency: idempotency.DefaultConfig(),
+		Redis:       redisclient.Default(),
 		Bootstrap:   discovery.DefaultBootstrap(),
 		// Empty, not nil: what `dns: []` and `register_with: []` decode to,
 		// so the example file equals the defaults.
@@ -266,6 +273,10 @@ func LoadConfig(path string) (Config, error) {
 	return cfg, errors.Join(err, cfg.Validate())
 }
 
+// usesRedis reports whether the replicas share state through Redis
+// (idempotency.store: redis), so the redis: section is read.
+func (c Config) usesRedis() bool { return c.Idempotency.Store == "redis" }
+
 // fillDefaults gives every discovery.dns entry the defaults of the keys it
 // leaves out (a list's entries start empty when the file is decoded).
 func (d *DiscoveryConfig) fillDefaults() {
@@ -306,6 +317,9 @@ func (c Config) Validate() error {
 	c.Breaker.Validate(&p, "breaker")
 	c.Health.Validate(&p, "health")
 	c.Idempotency.Validate(&p, "idempotency")
+	if c.usesRedis() {
+		c.Redis.Validate(&p, "redis")
+	}
 	if c.Limits.MaxBodyBytes < 1024 {
 		p.Addf("limits.max_body_bytes", "must be >= 1KiB, got %s", c.Limits.MaxBodyBytes)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 	"github.com/encgate/encgate/upstream"
 )
@@ -176,7 +177,7 @@ func TestEveryConfigSectionDeclaresItsReload(t *testing.T) {
 	check(reflect.TypeOf(Config{}), "")
 }
 
-// admin.token_file and idempotency.redis.password_file, through the real
+// admin.token_file and redis.password_file, through the real
 // loader: each takes its secret from a file of mode 0600 or 0640, and is
 // refused, with its field path, beside its inline key, on a file others
 // may read, on a missing file, and (the token) on a token admin.token
@@ -193,19 +194,19 @@ func TestSecretFileKeysLoad(t *testing.T) {
 	load := func(admin, redis string) (Config, error) {
 		t.Helper()
 		body := "encoders:\n  - {name: a, url: \"http://127.0.0.1:30001\"}\nadmin:\n" + admin +
-			"idempotency:\n  store: redis\n  redis:\n" + redis
+			"idempotency:\n  store: redis\nredis:\n" + redis
 		return LoadConfig(secretfiletest.Write(t, "gateway.yaml", body, 0o600))
 	}
-	line := func(key, value string) string { return fmt.Sprintf("    %s: %q\n", key, value) }
-	adminLine := func(key, value string) string { return strings.TrimPrefix(line(key, value), "  ") }
+	line := func(key, value string) string { return fmt.Sprintf("  %s: %q\n", key, value) }
+	adminLine := line
 
 	for _, file := range []string{good, goodGroup} {
 		cfg, err := load(adminLine("token_file", file), line("password_file", pwGood))
 		if err != nil {
 			t.Fatalf("token_file %s: %v", file, err)
 		}
-		if cfg.Admin.TokenFile != file || cfg.Admin.Token != "" || cfg.Idempotency.Redis.PasswordFile != pwGood {
-			t.Errorf("loaded %+v / %+v", cfg.Admin, cfg.Idempotency.Redis)
+		if cfg.Admin.TokenFile != file || cfg.Admin.Token != "" || cfg.Redis.PasswordFile != pwGood {
+			t.Errorf("loaded %+v / %+v", cfg.Admin, cfg.Redis)
 		}
 		if tok := cfg.Admin.token(); tok == "" || tok == token {
 			t.Errorf("before the file is read the token in force is %q: want one that no request carries (closed, not open)", tok)
@@ -213,7 +214,7 @@ func TestSecretFileKeysLoad(t *testing.T) {
 		if err := cfg.Admin.readToken("admin"); err != nil || cfg.Admin.token() != token {
 			t.Errorf("the token in force is not the file's: %v", err)
 		}
-		if c, err := cfg.Idempotency.Redis.Client(1); err != nil {
+		if c, err := redisclient.New(cfg.Redis); err != nil {
 			t.Errorf("the Redis client: %v", err)
 		} else {
 			_ = c.Close()
@@ -234,11 +235,11 @@ func TestSecretFileKeysLoad(t *testing.T) {
 		{"short token in the file", adminLine("token_file", short), "",
 			"admin.token_file: token file " + short + ": the token must be at least 16 characters, got 7"},
 		{"both passwords", "", line("password", password) + line("password_file", pwGood),
-			"idempotency.redis.password_file: set at most one of password and password_file"},
+			"redis.password_file: set at most one of password and password_file"},
 		{"open password file", "", line("password_file", pwOpen),
-			"idempotency.redis.password_file: password file " + pwOpen + " has mode 0604, which grants others access: chmod 600 (or 640) it"},
+			"redis.password_file: password file " + pwOpen + " has mode 0604, which grants others access: chmod 600 (or 640) it"},
 		{"missing password file", "", line("password_file", missing),
-			"idempotency.redis.password_file: open " + missing + ": no such file or directory"},
+			"redis.password_file: open " + missing + ": no such file or directory"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := load(tc.admin, tc.redis)
@@ -251,5 +252,25 @@ func TestSecretFileKeysLoad(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// An old config with idempotency.redis is refused with where the section
+// went, and a redis: section is validated only when a Redis store uses it.
+func TestMovedRedisSectionIsNamed(t *testing.T) {
+	enc := "encoders:\n  - {name: a, url: \"http://127.0.0.1:30001\"}\n"
+	_, err := LoadConfig(secretfiletest.Write(t, "gateway.yaml", enc+
+		"idempotency:\n  store: redis\n  redis:\n    addr: \"10.0.0.1:6379\"\n    fail_open: true\n", 0o600))
+	if err == nil || !strings.Contains(err.Error(), "idempotency.redis: has moved: the connection (addr, username, password_file, db, key_prefix, timeouts, pool_size, poll_interval) is the top-level redis: section") ||
+		!strings.Contains(err.Error(), "fail_open is idempotency.fail_open") {
+		t.Fatalf("old section: %v", err)
+	}
+	bad := "redis:\n  mode: cluster\n"
+	if _, err := LoadConfig(secretfiletest.Write(t, "gateway.yaml", enc+bad, 0o600)); err != nil {
+		t.Fatalf("a redis: section no store reads was checked: %v", err)
+	}
+	_, err = LoadConfig(secretfiletest.Write(t, "gateway.yaml", enc+"idempotency:\n  store: redis\n"+bad, 0o600))
+	if err == nil || !strings.Contains(err.Error(), "redis.cluster_addrs: is required with mode: cluster") {
+		t.Fatalf("cluster without nodes: %v", err)
 	}
 }

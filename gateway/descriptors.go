@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/fdlimit"
+	"github.com/encgate/encgate/internal/redisclient"
 )
 
 // descriptorMargin is what the process opens for itself besides the
@@ -120,11 +121,21 @@ func (c Config) descriptorParts() []DescriptorPart {
 			per, encoders+agents, encoders, agents), per * (encoders + agents)},
 		{"", "health probes (2 per encoder)", 2 * encoders},
 	}
-	if c.Idempotency.Store == "redis" {
-		// go-redis holds at most pool_size connections in its pool (its
-		// turns), plus the pub/sub connection that wakes waiters.
-		parts = append(parts, DescriptorPart{"idempotency.redis.pool_size", "idempotency.redis.pool_size + pub/sub",
-			uint64(max(c.Idempotency.Redis.PoolSize, 0)) + 1})
+	if c.usesRedis() {
+		// go-redis holds at most pool_size connections per server in its
+		// pool, plus the pub/sub connections that wake waiters; a Sentinel
+		// client adds one to a Sentinel, a cluster client pools per node
+		// (counted here per seed node: a larger cluster needs more).
+		pool := uint64(max(c.Redis.PoolSize, 0))
+		switch c.Redis.Mode {
+		case redisclient.Sentinel:
+			parts = append(parts, DescriptorPart{"redis.pool_size", "redis.pool_size + pub/sub + a Sentinel", pool + 2})
+		case redisclient.Cluster:
+			n := uint64(len(c.Redis.ClusterAddrs))
+			parts = append(parts, DescriptorPart{"redis.pool_size", fmt.Sprintf("(redis.pool_size + pub/sub) x %d nodes", n), (pool + 1) * n})
+		default:
+			parts = append(parts, DescriptorPart{"redis.pool_size", "redis.pool_size + pub/sub", pool + 1})
+		}
 	}
 	return append(parts,
 		DescriptorPart{"", "listeners", 2},

@@ -51,7 +51,7 @@ func TestDescriptorsCountEveryBound(t *testing.T) {
 		t.Fatalf("memory store: need %d (checked %v), want %d: %s", mem.Limits.Need, mem.Checked, want, mem)
 	}
 	cfg.Idempotency.Store = "redis"
-	cfg.Idempotency.Redis.PoolSize = 20
+	cfg.Redis.PoolSize = 20
 	rd, err := Descriptors(cfg, &fakeLimits{soft: 1 << 20, hard: 1 << 20}, false)
 	if err != nil {
 		t.Fatal(err)
@@ -60,7 +60,7 @@ func TestDescriptorsCountEveryBound(t *testing.T) {
 		t.Fatalf("redis store: need %d, want %d: %s", rd.Limits.Need, want+21, rd)
 	}
 	for _, term := range []string{"limits.max_conns 100", "admin.max_conns 16", "upstream.max_conns_per_encoder 10 x 3 (2 encoders, 1 agents) = 30",
-		"health probes (2 per encoder) 4", "idempotency.redis.pool_size + pub/sub 21"} {
+		"health probes (2 per encoder) 4", "redis.pool_size + pub/sub 21"} {
 		if !strings.Contains(rd.String(), term) {
 			t.Errorf("the report lacks %q: %s", term, rd)
 		}

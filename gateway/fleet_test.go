@@ -279,7 +279,7 @@ func TestReplicasShareRegistrationsThroughRedis(t *testing.T) {
 	rd := redistest.Start(t)
 	redisCfg := func(c *Config) {
 		c.Idempotency.Store = "redis"
-		c.Idempotency.Redis.Addr = rd.Addr()
+		c.Redis.Addr = rd.Addr()
 		c.Health.Interval = configfile.Duration(time.Second) // the registry's poll, too
 		c.Health.Timeout = configfile.Duration(500 * time.Millisecond)
 	}
@@ -485,7 +485,7 @@ func TestFleetMergeDedupesAndDrains(t *testing.T) {
 }
 
 // Both Redis clients of a gateway (the /send store's and the bootstrap
-// registry's) authenticate with idempotency.redis.password_file: two
+// registry's) authenticate with redis.password_file: two
 // replicas on a Redis that requires the password share a registration and
 // a /send record.
 func TestRedisPasswordFileAuthenticatesBothClients(t *testing.T) {
@@ -494,8 +494,8 @@ func TestRedisPasswordFileAuthenticatesBothClients(t *testing.T) {
 	file := secretfiletest.Write(t, "redis.password", password+"\n", 0o640)
 	redisCfg := func(c *Config) {
 		c.Idempotency.Store = "redis"
-		c.Idempotency.Redis.Addr = rd.Addr()
-		c.Idempotency.Redis.PasswordFile = file
+		c.Redis.Addr = rd.Addr()
+		c.Redis.PasswordFile = file
 	}
 	a, b := dynamicGateway(t, redisCfg), dynamicGateway(t, redisCfg)
 	enc := registeredFakes(t, 1, "http://"+a.BootstrapAddr())[0] // registered with a only

@@ -141,8 +141,8 @@ func TestSendAnswersAreHonest(t *testing.T) {
 		encs := startFakes(t, 1, nil)
 		g := startGateway(t, fakeURLs(encs), func(c *Config) {
 			c.Idempotency.Store = "redis"
-			c.Idempotency.Redis.Addr = deadAddr(t)
-			c.Idempotency.Redis.FailOpen = failOpen
+			c.Redis.Addr = deadAddr(t)
+			c.Idempotency.FailOpen = failOpen
 		})
 		const id = "storedown_local_part_0"
 		if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
@@ -196,7 +196,7 @@ func TestWaitOnACallThatEndsWithoutAnswerIsNotA200(t *testing.T) {
 			c.Health.Disabled = true
 			c.Affinity.UnknownWait = 0
 			c.Idempotency.Store = "redis"
-			c.Idempotency.Redis.Addr = rd.Addr()
+			c.Redis.Addr = rd.Addr()
 			c.Retry.Send.Deadline = configfile.Duration(deadline)
 		}, zap.NewNop(), clk)
 	}

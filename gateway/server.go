@@ -10,12 +10,14 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/fdlimit"
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
 )
@@ -33,6 +35,7 @@ type Server struct {
 	clk     clock.Clock
 	pool    *upstream.Pool
 	store   *idempotency.Opened
+	kv      redis.UniversalClient // the one Redis client (redis:), nil without Redis
 	sends   *idempotency.Sends
 	metrics *metrics
 	reg     *prometheus.Registry
@@ -93,23 +96,31 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	store, err := idempotency.Open(cfg.Idempotency, clk, deps.Log.Named("idempotency"))
+	var kv redis.UniversalClient
+	if cfg.usesRedis() {
+		if kv, err = redisclient.New(cfg.Redis); err != nil {
+			pool.Close()
+			return nil, err
+		}
+	}
+	store, err := idempotency.Open(cfg.Idempotency, kv, cfg.Redis, clk, deps.Log.Named("idempotency"))
 	if err != nil {
 		pool.Close()
+		closeKV(kv)
 		return nil, err
 	}
-	s := &Server{fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	s := &Server{kv: kv, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
 		pool.Close()
-		_ = store.Close()
+		_ = s.closeStore()
 		return nil, err
 	}
 	if s.sources, err = s.newSources(cfg); err != nil {
 		pool.Close()
-		_ = store.Close()
+		_ = s.closeStore()
 		return nil, err
 	}
 	acceptErrors := newAcceptErrors(deps.Registry)
@@ -245,6 +256,20 @@ func (s *Server) AdminAddr() string { return s.adln.Addr().String() }
 // Done reports a listener that stopped on its own.
 func (s *Server) Done() <-chan error { return s.done }
 
+// closeStore closes the /send store, then the Redis client every Redis
+// user shared (the sources have stopped by then).
+func (s *Server) closeStore() error {
+	err := s.store.Close()
+	closeKV(s.kv)
+	return err
+}
+
+func closeKV(kv redis.UniversalClient) {
+	if kv != nil {
+		_ = kv.Close()
+	}
+}
+
 // Shutdown drains the gateway, in this order: /readyz answers 503 (and
 // every answer closes its connection); after shutdown.delay the
 // encoder-facing listener closes, so new connections are refused, and idle
@@ -272,7 +297,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.adconns.wait()
 	berr := s.stopSources(ctx)
 	s.pool.Close()
-	serr := s.store.Close()
+	serr := s.closeStore()
 	err = errors.Join(err, aerr, berr, serr)
 	s.log.Info("stopped", zap.Error(err))
 	return err

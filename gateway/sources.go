@@ -25,7 +25,6 @@ type sources struct {
 	registrar *discovery.Registrar // nil unless register_with is set
 	regStop   context.CancelFunc   // stops the registrar's Run
 	regDone   chan struct{}        // closed when it has returned
-	closeKV   func() error         // the registry's Redis client, when shared
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -39,13 +38,8 @@ func (s *Server) newSources(cfg Config) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		store := discovery.NewMemoryStore()
-		if cfg.Idempotency.Store == "redis" {
-			kv, err := cfg.Idempotency.Redis.Client(4)
-			if err != nil {
-				return nil, err
-			}
-			store = discovery.NewRedisStore(kv, cfg.Idempotency.Redis.KeyPrefix)
-			src.closeKV = kv.Close
+		if s.kv != nil {
+			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
 		}
 		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"))
 		src.boot = &fasthttp.Server{
@@ -183,9 +177,6 @@ func (s *Server) stopSources(ctx context.Context) error {
 		err = src.boot.ShutdownWithContext(ctx)
 	}
 	src.wg.Wait()
-	if src.closeKV != nil {
-		_ = src.closeKV()
-	}
 	return err
 }
 

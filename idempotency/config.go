@@ -6,8 +6,6 @@
 package idempotency
 
 import (
-	"strings"
-
 	"github.com/encgate/encgate/internal/configfile"
 )
 
@@ -41,30 +39,14 @@ type Config struct {
 	// that (read-only) for longer than ClaimTTL lets the claim lapse
 	// (encgate_idempotency_complete_lost_total{reason="claim_lost"}).
 	ClaimTTL configfile.Duration `yaml:"claim_ttl"`
-	// Redis configures the redis store.
-	Redis RedisConfig `yaml:"redis"`
-}
-
-// RedisConfig configures the redis store.
-type RedisConfig struct {
-	Addr     string `yaml:"addr"`     // host:port (default 127.0.0.1:6379)
-	Username string `yaml:"username"` // ACL user (default none)
-	Password string `yaml:"password"` // (default none); prefer PasswordFile
-	// PasswordFile holds the password instead (secretfile.Read: mode 0600
-	// or 0640, surrounding whitespace dropped), so that the config need not
-	// be secret. Set at most one of Password and PasswordFile. Read when the
-	// client is built, at start (the section needs a restart).
-	PasswordFile string `yaml:"password_file"`
-	DB           int    `yaml:"db"`         // database number (default 0)
-	KeyPrefix    string `yaml:"key_prefix"` // prefix of every key and channel (default "encgate:")
 	// FailOpen forwards /sends without dedupe while Redis is unreachable
 	// (counted in encgate_idempotency_fail_open_total). Off by default: the
-	// caller then gets a 503 envelope and nothing is forwarded.
-	FailOpen     bool                `yaml:"fail_open"`
-	DialTimeout  configfile.Duration `yaml:"dial_timeout"`  // default 1s
-	Timeout      configfile.Duration `yaml:"timeout"`       // per command read/write (default 1s)
-	PoolSize     int                 `yaml:"pool_size"`     // connections (default 64)
-	PollInterval configfile.Duration `yaml:"poll_interval"` // how often a waiter re-reads the record besides pub/sub (default 100ms)
+	// caller then gets a 503 envelope and nothing is forwarded. Read with
+	// store: redis, which reaches Redis through the top-level redis: section.
+	FailOpen bool `yaml:"fail_open"`
+	// MovedRedis is the old idempotency.redis section; its connection keys
+	// are now the top-level redis: section, fail_open is idempotency.fail_open.
+	MovedRedis configfile.Moved `yaml:"redis,omitempty"`
 }
 
 // maxDestinationsLimit is the largest max_destinations_per_req_id: a
@@ -82,14 +64,6 @@ func DefaultConfig() Config {
 		MaxDestinationsPerReqID: 1024,
 		TTL:                     configfile.Duration(600e9),
 		ClaimTTL:                configfile.Duration(300e9),
-		Redis: RedisConfig{
-			Addr:         "127.0.0.1:6379",
-			KeyPrefix:    "encgate:",
-			DialTimeout:  configfile.Duration(1e9),
-			Timeout:      configfile.Duration(1e9),
-			PoolSize:     64,
-			PollInterval: configfile.Duration(100e6),
-		},
 	}
 }
 
@@ -108,31 +82,7 @@ func (c Config) Validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".ttl", c.TTL)
 	p.Positive(path+".claim_ttl", c.ClaimTTL)
-	if c.Store != "redis" {
-		return
-	}
-	r, rp := c.Redis, path+".redis"
-	if r.Addr == "" || !strings.Contains(r.Addr, ":") {
-		p.Addf(rp+".addr", "must be host:port, got %q", r.Addr)
-	}
-	switch {
-	case r.Password != "" && r.PasswordFile != "":
-		p.Addf(rp+".password_file", "set at most one of password and password_file")
-	case r.PasswordFile != "":
-		if _, err := r.password(); err != nil {
-			p.Addf(rp+".password_file", "%v", err)
-		}
-	}
-	if r.DB < 0 {
-		p.Addf(rp+".db", "must be >= 0, got %d", r.DB)
-	}
-	if r.KeyPrefix == "" {
-		p.Addf(rp+".key_prefix", "must not be empty (keys would collide with other users of the database)")
-	}
-	p.Positive(rp+".dial_timeout", r.DialTimeout)
-	p.Positive(rp+".timeout", r.Timeout)
-	p.Positive(rp+".poll_interval", r.PollInterval)
-	if r.PoolSize < 1 {
-		p.Addf(rp+".pool_size", "must be >= 1, got %d", r.PoolSize)
+	if c.MovedRedis.Set() {
+		p.Addf(path+".redis", "has moved: the connection (addr, username, password_file, db, key_prefix, timeouts, pool_size, poll_interval) is the top-level redis: section, shared by every Redis user, and fail_open is %s.fail_open", path)
 	}
 }

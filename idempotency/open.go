@@ -2,12 +2,14 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/redisclient"
 )
 
 // Opened is a store built from config, with what its owner must run and close.
@@ -20,8 +22,13 @@ type Opened struct {
 // Close stops the store's background work and connections.
 func (o *Opened) Close() error { return o.stop() }
 
-// Open builds the configured store and starts its background work.
-func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
+// Open builds the configured store and starts its background work. The
+// redis store runs over client (the gateway's one client for the redis:
+// section conn, which the caller owns); the memory store takes neither.
+// A Redis that refuses the client for good (credentials, a certificate
+// that does not verify) is an error; one that is only down is logged,
+// and /sends are refused (or forwarded, with fail_open) until it is back.
+func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 	switch cfg.Store {
 	case "memory":
 		m := NewMemory(cfg.Capacity, cfg.MaxDestinationsPerReqID, cfg.TTL.D(), clk)
@@ -33,24 +40,26 @@ func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 		}()
 		return &Opened{Store: m, Memory: m, stop: func() error { cancel(); <-done; return nil }}, nil
 	case "redis":
-		r, err := NewRedis(cfg.Redis, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, clk, log)
+		r, err := NewRedis(client, conn, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, clk, log)
 		if err != nil {
 			return nil, err
 		}
-		// Start even when Redis is down: each /send then gets a 503 (or is
-		// forwarded with fail_open) until it is back.
-		ctx, cancel := context.WithTimeout(context.Background(), cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D())
+		ctx, cancel := context.WithTimeout(context.Background(), conn.DialTimeout.D()+conn.Timeout.D())
 		defer cancel()
-		switch err := r.Ping(ctx); {
+		var refused *redisclient.RefusedError
+		switch err := redisclient.Check(ctx, client); {
 		case err == nil:
-		case redis.IsAuthError(err):
+		case errors.As(err, &refused) && refused.Reason == "tls":
+			_ = r.Close()
+			return nil, fmt.Errorf("redis at %s: %w", conn.Where(), err)
+		case errors.As(err, &refused):
 			// Redis answers but refuses the credentials: a config or Secret
 			// that disagrees with the server's, not an outage.
-			log.Error("redis refuses the gateway's credentials (idempotency.redis.username, password or password_file); /sends are refused until it accepts them",
-				zap.String("addr", cfg.Redis.Addr), zap.Bool("fail_open", cfg.Redis.FailOpen), zap.Error(err))
+			log.Error("redis refuses the gateway's credentials (redis.username, password or password_file); /sends are refused until it accepts them",
+				zap.String("redis", conn.Where()), zap.Bool("fail_open", cfg.FailOpen), zap.Error(err))
 		default:
-			log.Warn("redis is not reachable yet; /sends are refused until it is", zap.String("addr", cfg.Redis.Addr),
-				zap.Bool("fail_open", cfg.Redis.FailOpen), zap.Error(err))
+			log.Warn("redis is not reachable yet; /sends are refused until it is", zap.String("redis", conn.Where()),
+				zap.Bool("fail_open", cfg.FailOpen), zap.Error(err))
 		}
 		return &Opened{Store: r, stop: r.Close}, nil
 	default:

@@ -170,7 +170,7 @@ func TestSendsFailOpenForwardPanicIsAnswered(t *testing.T) {
 		return Record{}, false, false, &unavailableError{op: "lookup", err: errors.New("connection refused")}
 	}}
 	cfg := DefaultConfig()
-	cfg.Redis.FailOpen = true
+	cfg.FailOpen = true
 	reg := prometheus.NewRegistry()
 	s := NewSends(h, cfg, clk, zap.NewNop(), NewMetrics(reg, mem))
 	r := s.Do(bg, sendReq("h:1", Fingerprint{}, 0), clk.Now().Add(time.Hour), func(time.Duration) (Answer, bool) { panic("boom") })

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 )
@@ -22,7 +23,7 @@ import (
 func TestRedisPasswordFile(t *testing.T) {
 	const pw = "the store's password"
 	srv := redistest.Start(t, redistest.WithPassword(pw))
-	const refusedMsg = "redis refuses the gateway's credentials (idempotency.redis.username, password or password_file); /sends are refused until it accepts them"
+	const refusedMsg = "redis refuses the gateway's credentials (redis.username, password or password_file); /sends are refused until it accepts them"
 	for _, tc := range []struct {
 		name, file string
 		want       string // in Open's log line; "" for none
@@ -37,9 +38,10 @@ func TestRedisPasswordFile(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := DefaultConfig()
 			cfg.Store = "redis"
-			cfg.Redis.Addr, cfg.Redis.PasswordFile = srv.Addr(), tc.file
+			conn := redisclient.Default()
+			conn.Addr, conn.PasswordFile = srv.Addr(), tc.file
 			core, logs := observer.New(zap.InfoLevel)
-			o, err := Open(cfg, nil, zap.New(core))
+			o, err := Open(cfg, newClient(t, conn), conn, nil, zap.New(core))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -17,44 +17,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
-	"github.com/encgate/encgate/internal/secretfile"
+	"github.com/encgate/encgate/internal/redisclient"
 )
-
-// password is the configured password: PasswordFile's content, or
-// Password.
-func (cfg RedisConfig) password() (string, error) {
-	if cfg.PasswordFile != "" {
-		return secretfile.Read(cfg.PasswordFile, "password file")
-	}
-	return cfg.Password, nil
-}
-
-// Client returns a client for the configured server with poolSize
-// connections: the store's, and the one the gateway's bootstrap registry
-// shares registrations through. It reads password_file (its error names
-// the field path) but does not contact Redis.
-func (cfg RedisConfig) Client(poolSize int) (*redis.Client, error) {
-	pw, err := cfg.password()
-	if err != nil {
-		return nil, fmt.Errorf("idempotency.redis.password_file: %w", err)
-	}
-	return redis.NewClient(&redis.Options{
-		Addr:                  cfg.Addr,
-		Username:              cfg.Username,
-		Password:              pw,
-		DB:                    cfg.DB,
-		DialTimeout:           cfg.DialTimeout.D(),
-		ReadTimeout:           cfg.Timeout.D(),
-		WriteTimeout:          cfg.Timeout.D(),
-		ContextTimeoutEnabled: true,
-		PoolSize:              poolSize,
-		// One retry replaces a pooled connection that died with a restart;
-		// every script is safe to repeat (see Claim).
-		MaxRetries:      1,
-		DialerRetries:   1,
-		DisableIdentity: true,
-	}), nil
-}
 
 // Redis is the store that several gateway replicas share. Each Store method
 // is one Lua script, so a step of the protocol is atomic on the server.
@@ -135,7 +99,7 @@ func (cfg RedisConfig) Client(poolSize int) (*redis.Client, error) {
 // or block the key for claim_ttl); each operation is bounded by
 // dial_timeout + timeout.
 type Redis struct {
-	c         *redis.Client
+	c         redis.UniversalClient
 	log       *zap.Logger
 	clk       clock.Clock
 	prefix    string
@@ -177,16 +141,17 @@ const (
 	recordVersion = 2
 )
 
-// NewRedis returns a store over the Redis at cfg.Addr. Records and release
-// state live for ttl, claims for claimTTL; a req_id has at most maxDests
-// destinations. It does not contact Redis; call Ping to check that it
-// answers. Zero durations and sizes in cfg take the defaults of
-// DefaultConfig, as do maxDests <= 0 and a nil clk (the wall clock, which
-// paces retries of refused completions) and log.
-func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk clock.Clock, log *zap.Logger) (*Redis, error) {
-	def := DefaultConfig().Redis
-	if cfg.Addr == "" {
-		return nil, errors.New("idempotency: redis addr is empty")
+// NewRedis returns a store over client, which the caller owns (and closes
+// after Close), using conn's key prefix, timeouts and poll interval. Records
+// and release state live for ttl, claims for claimTTL; a req_id has at most
+// maxDests destinations. It does not contact Redis; call Ping to check that
+// it answers. Zero durations and sizes in conn take the defaults of
+// redisclient.Default, as do maxDests <= 0 and a nil clk (the wall clock,
+// which paces retries of refused completions) and log.
+func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimTTL time.Duration, maxDests int, clk clock.Clock, log *zap.Logger) (*Redis, error) {
+	cfg, def := conn, redisclient.Default()
+	if client == nil {
+		return nil, errors.New("idempotency: no redis client")
 	}
 	if ttl < time.Millisecond || claimTTL < time.Millisecond {
 		return nil, fmt.Errorf("idempotency: ttl (%v) and claim_ttl (%v) must be at least 1ms", ttl, claimTTL)
@@ -200,9 +165,6 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk cl
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = def.Timeout
 	}
-	if cfg.PoolSize <= 0 {
-		cfg.PoolSize = def.PoolSize
-	}
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = def.PollInterval
 	}
@@ -215,10 +177,7 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk cl
 	if maxDests <= 0 {
 		maxDests = DefaultConfig().MaxDestinationsPerReqID
 	}
-	c, err := cfg.Client(cfg.PoolSize)
-	if err != nil {
-		return nil, err
-	}
+	c := client
 	life, end := context.WithCancel(context.Background())
 	return &Redis{
 		c:         c,
@@ -242,7 +201,8 @@ func NewRedis(cfg RedisConfig, ttl, claimTTL time.Duration, maxDests int, clk cl
 	}, nil
 }
 
-// Close stops the pub/sub reader and closes every connection.
+// Close stops the pub/sub reader and the background work; the client is
+// the caller's to close.
 func (r *Redis) Close() error {
 	r.mu.Lock()
 	if r.closed {
@@ -258,7 +218,7 @@ func (r *Redis) Close() error {
 	if h != nil {
 		h.close()
 	}
-	return r.c.Close()
+	return nil
 }
 
 // Ping checks that Redis answers.
@@ -676,9 +636,16 @@ func (r *Redis) Inspect(ctx context.Context, reqID string) (ReqView, error) {
 	return v, nil
 }
 
-// opCtx bounds one operation, retries included.
+// opCtx bounds one operation, retries included; Close ends it too (the
+// client is shared, so the store cannot close it to stop its own work).
 func (r *Redis) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, r.opTimeout)
+	octx, cancel := context.WithTimeout(ctx, r.opTimeout)
+	if r.life.Err() != nil { // AfterFunc would cancel on another goroutine
+		cancel()
+		return octx, cancel
+	}
+	stop := context.AfterFunc(r.life, cancel)
+	return octx, func() { stop(); cancel() }
 }
 
 // fail turns an error from go-redis into the store's: the caller's context
@@ -686,6 +653,9 @@ func (r *Redis) opCtx(ctx context.Context) (context.Context, context.CancelFunc)
 func (r *Redis) fail(ctx context.Context, op string, err error) error {
 	if ctx.Err() != nil {
 		return fmt.Errorf("redis %s: %w", op, ctx.Err())
+	}
+	if r.life.Err() != nil {
+		return &unavailableError{op: op, err: redis.ErrClosed}
 	}
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		// Our own bound ran out: not the caller's deadline, so it must not

@@ -49,7 +49,7 @@ type redisWaiter struct {
 	published atomic.Pointer[string] // the holder's record, published while Redis refuses to store it
 }
 
-func newRedisHub(c *redis.Client, timeout time.Duration, log *zap.Logger) *redisHub {
+func newRedisHub(c redis.UniversalClient, timeout time.Duration, log *zap.Logger) *redisHub {
 	h := &redisHub{
 		ps:         c.Subscribe(context.Background()),
 		log:        log,

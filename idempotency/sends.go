@@ -117,7 +117,7 @@ func NewSends(store Store, cfg Config, clk clock.Clock, log *zap.Logger, m *Metr
 	if o, ok := store.(interface{ observe(*Metrics) }); ok {
 		o.observe(m)
 	}
-	s := &Sends{store: store, clk: clk, log: log, m: m, failOpen: cfg.Redis.FailOpen, claimTTL: cfg.ClaimTTL.D()}
+	s := &Sends{store: store, clk: clk, log: log, m: m, failOpen: cfg.FailOpen, claimTTL: cfg.ClaimTTL.D()}
 	for i := range s.shards {
 		s.shards[i].flights = make(map[Key]*flight)
 	}

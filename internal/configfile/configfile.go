@@ -259,3 +259,21 @@ type Shutdown struct {
 
 // Validate checks the section; path is its field path.
 func (s Shutdown) Validate(p *Problems, path string) { p.Positive(path+".grace", s.Grace) }
+
+// Moved is a key that has moved elsewhere in the file: any value decodes
+// into it, and the section's Validate names where the key went (Set), so
+// an old config gets that answer rather than "unknown key". It is never
+// written out (omitempty, IsZero).
+type Moved struct{ set bool }
+
+// UnmarshalYAML implements yaml.Unmarshaler: any value marks it set.
+func (m *Moved) UnmarshalYAML(*yaml.Node) error { m.set = true; return nil }
+
+// IsZero reports whether the key was absent.
+func (m Moved) IsZero() bool { return !m.set }
+
+// Set reports whether the file had the key.
+func (m Moved) Set() bool { return m.set }
+
+// MarshalYAML writes nothing: a moved key is not part of any config.
+func (m Moved) MarshalYAML() (any, error) { return nil, nil }

@@ -2,7 +2,7 @@
 // instead of holding a secret inline: the bearer token files
 // (encoders[].agent_token_file, admin.token_file, the agent's
 // control.token_file, through internal/bearer) and the Redis password file
-// (idempotency.redis.password_file). Such a file is typically a mounted
+// (redis.password_file). Such a file is typically a mounted
 // Kubernetes Secret. The checks are ssh's for a private key: a file that
 // others may read is refused.
 package secretfile
