@@ -28,17 +28,18 @@ type Server struct {
 	// snap is the config in force: restart-only sections keep the values
 	// the server started with (see Reload); the request path reads it with
 	// conf().
-	snap    atomic.Pointer[Config]
-	level   *zap.AtomicLevel
-	log     *zap.Logger
-	quiet   *zap.Logger // log, sampled: lines a client can cause at any rate (logsample.go)
-	clk     clock.Clock
-	pool    *upstream.Pool
-	store   *idempotency.Opened
-	kv      redis.UniversalClient // the one Redis client (redis:), nil without Redis
-	sends   *idempotency.Sends
-	metrics *metrics
-	reg     *prometheus.Registry
+	snap     atomic.Pointer[Config]
+	level    *zap.AtomicLevel
+	log      *zap.Logger
+	quiet    *zap.Logger // log, sampled: lines a client can cause at any rate (logsample.go)
+	clk      clock.Clock
+	pool     *upstream.Pool
+	store    *idempotency.Opened
+	kv       redis.UniversalClient // the one Redis client (redis:), nil without Redis
+	stopPins func()                // ends the shared pins' subscription; nil without Redis
+	sends    *idempotency.Sends
+	metrics  *metrics
+	reg      *prometheus.Registry
 
 	srv     *fasthttp.Server
 	admin   *http.Server
@@ -109,7 +110,17 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		closeKV(kv)
 		return nil, err
 	}
-	s := &Server{kv: kv, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	var stopPins func()
+	if kv != nil {
+		// Pins live in Redis too, so that a follow-up reaching any replica
+		// finds its /encode's encoder.
+		ctx, cancel := context.WithCancel(context.Background())
+		done := pool.Pins.Share(ctx, upstream.NewRedisPins(kv, cfg.Redis.KeyPrefix, cfg.Affinity.PinTTL.D(),
+			cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D(), cfg.Redis.PollInterval.D(), deps.Log.Named("pins"), deps.Registry),
+			deps.Log.Named("pins"))
+		stopPins = func() { cancel(); <-done }
+	}
+	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
 	s.fleet = newFleet(deps.Registry)
@@ -260,6 +271,9 @@ func (s *Server) Done() <-chan error { return s.done }
 // user shared (the sources have stopped by then).
 func (s *Server) closeStore() error {
 	err := s.store.Close()
+	if s.stopPins != nil {
+		s.stopPins()
+	}
 	closeKV(s.kv)
 	return err
 }

@@ -276,7 +276,10 @@ func (s *ranked) pick(n int, sent bool) (target, *Verdict, bool) {
 		return s.followPin(n, sent)
 	}
 	if n == 1 {
-		if pin, ok := s.p.Pins.Get(s.c.ReqID); ok && !pin.Failed() {
+		// This replica's table only: with shared pins, Place asks the
+		// share in the same round trip (a sibling placed on another
+		// replica is followed from there).
+		if pin, ok := s.p.Pins.Local(s.c.ReqID); ok && !pin.Failed() {
 			return s.followPin(n, sent)
 		}
 		s.list = s.p.placement(s.c, s.buf[:0])
@@ -346,7 +349,7 @@ type pinned struct {
 
 func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 	if n > 1 && s.t.enc != nil {
-		pin, ok := s.p.Pins.Get(s.c.ReqID)
+		pin, ok := s.p.Pins.Current(s.c.ReqID)
 		switch {
 		case !ok:
 		case pin.Failed() && (!s.found || !s.forwardFailed(pin)):
@@ -423,8 +426,13 @@ func (s *pinned) forwardFailed(pin Pin) bool {
 // throughOpenBreaker: state already on the encoder that only it can answer
 // for (a sibling /encode; a gen0 registration after a failure) goes even
 // while its breaker is open.
+//
+// So does a follow-up whose pin another replica placed: that replica's
+// breaker admitted the /encode, the part is on the encoder, and this
+// replica's breaker (which judges this replica's own exchanges) cannot
+// move it. It goes uncounted, like a sibling's /encode.
 func (s *pinned) throughOpenBreaker(pin Pin) bool {
-	return s.c.Route.Kind == sglang.KindEncode || pin.Failed()
+	return s.c.Route.Kind == sglang.KindEncode || pin.Failed() || pin.Remote
 }
 
 // BroadcastAnswer is one encoder's part of a broadcast.

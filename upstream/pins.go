@@ -1,11 +1,13 @@
 package upstream
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
 )
@@ -39,6 +41,9 @@ type Pin struct {
 	Answered bool
 	Status   int
 	Message  string
+	// Remote: the pin came from the share (another replica placed or
+	// changed it), not from this process's own placement.
+	Remote bool
 }
 
 // Failed reports whether the req_id's /encode failed.
@@ -54,6 +59,8 @@ type PinTable struct {
 	ttl      time.Duration
 	perShard int
 	shards   [pinShards]pinShard
+	share    PinShare    // nil: this process alone
+	log      *zap.Logger // the share's failures
 
 	count     atomic.Int64
 	evictions atomic.Int64
@@ -99,7 +106,44 @@ func (t *PinTable) Set(reqID, encoder string, id uint64) {
 // that is pending or encoded: then that pin is returned and placed is false
 // (the /encode is a sibling's, and follows it). A failed pin is replaced:
 // a new /encode of a failed part is tried afresh.
+//
+// With a share, a live local pin that is not failed answers at once;
+// otherwise the share decides, so that sibling /encodes on other replicas
+// follow one placement, and the table keeps what it decided. A share that
+// fails leaves the decision to this table.
 func (t *PinTable) Place(reqID, encoder string, id uint64) (pin Pin, placed bool) {
+	if t.share != nil {
+		if cur, ok := t.Local(reqID); ok && !cur.Failed() {
+			return cur, false
+		}
+		want := Pin{Encoder: encoder, EncoderID: id}
+		cur, placed, err := t.share.Place(reqID, want)
+		if err == nil {
+			return t.adopt(reqID, want, cur, placed), placed
+		}
+		t.shareFailed("place", reqID, err)
+	}
+	return t.placeLocal(reqID, encoder, id)
+}
+
+// adopt stores what the share decided: want when this call changed the
+// shared pin, else the shared pin (marked remote), and returns it.
+func (t *PinTable) adopt(reqID string, want, cur Pin, changed bool) Pin {
+	p := want
+	if !changed {
+		p = cur
+		p.Remote = true
+	}
+	t.update(reqID, func(Pin, bool) (Pin, bool) { return p, true })
+	return p
+}
+
+func (t *PinTable) shareFailed(op, reqID string, err error) {
+	t.log.Warn("the pins shared through Redis failed; this replica decides from its own table",
+		zap.String("op", op), zap.String("req_id", reqID), zap.Error(err))
+}
+
+func (t *PinTable) placeLocal(reqID, encoder string, id uint64) (pin Pin, placed bool) {
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if ok && !cur.Failed() {
 			pin = cur
@@ -116,6 +160,17 @@ func (t *PinTable) Place(reqID, encoder string, id uint64) (pin Pin, placed bool
 // reached the first. It reports false, changing nothing, when the pin is no
 // longer pending on from (a sibling's /encode settled or moved it).
 func (t *PinTable) Move(reqID string, from uint64, encoder string, id uint64) bool {
+	if t.share != nil {
+		want := Pin{Encoder: encoder, EncoderID: id}
+		cur, moved, err := t.share.Move(reqID, from, want)
+		if err == nil {
+			if moved || cur.State != PinPending || cur.EncoderID != from {
+				t.adopt(reqID, want, cur, moved)
+			}
+			return moved
+		}
+		t.shareFailed("move", reqID, err)
+	}
 	moved := false
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if !ok || cur.State != PinPending || cur.EncoderID != from {
@@ -130,6 +185,11 @@ func (t *PinTable) Move(reqID string, from uint64, encoder string, id uint64) bo
 // Encoded records that reqID's /encode on the encoder with identity id was
 // answered 200. A pin that names another encoder is left as it is.
 func (t *PinTable) Encoded(reqID string, id uint64) {
+	if t.share != nil {
+		if err := t.share.Encoded(reqID, id); err != nil {
+			t.shareFailed("encoded", reqID, err)
+		}
+	}
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if !ok || cur.EncoderID != id || cur.Encoder == "" {
 			return cur, false
@@ -162,6 +222,11 @@ type Failure struct {
 //     that call's /encode is still going (a sibling rank refused at the
 //     gateway, say, while the first rank's encode runs).
 func (t *PinTable) Fail(reqID string, f Failure) {
+	if t.share != nil {
+		if err := t.share.Fail(reqID, f); err != nil {
+			t.shareFailed("fail", reqID, err)
+		}
+	}
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
 			cur.State == PinPending && !f.Answered && !f.Placed) {
@@ -228,8 +293,55 @@ func (t *PinTable) makeRoom(s *pinShard, now int64) {
 	}
 }
 
-// Get returns reqID's pin if it has one that has not expired.
+// Get returns reqID's pin if it has one that has not expired: this
+// table's, else the share's (kept here from then on).
 func (t *PinTable) Get(reqID string) (Pin, bool) {
+	if p, ok := t.Local(reqID); ok || t.share == nil {
+		return p, ok
+	}
+	return t.fetch(reqID)
+}
+
+// Current is Get, except that a pin another replica placed that is still
+// pending is read again from the share: a retry must follow that /encode
+// if it moved to the next encoder.
+func (t *PinTable) Current(reqID string) (Pin, bool) {
+	p, ok := t.Local(reqID)
+	if t.share == nil || ok && !(p.Remote && p.State == PinPending) {
+		return p, ok
+	}
+	if q, found := t.fetch(reqID); found {
+		return q, true
+	}
+	return p, ok
+}
+
+// fetch reads reqID's pin from the share and keeps it, unless this table
+// has one by then.
+func (t *PinTable) fetch(reqID string) (Pin, bool) {
+	p, ok, err := t.share.Get(reqID)
+	if err != nil {
+		t.shareFailed("get", reqID, err)
+		return Pin{}, false
+	}
+	if !ok {
+		return Pin{}, false
+	}
+	p.Remote = true
+	var kept Pin
+	t.update(reqID, func(cur Pin, live bool) (Pin, bool) {
+		if live && !(cur.Remote && cur != p) {
+			kept = cur
+			return cur, false
+		}
+		kept = p
+		return p, true
+	})
+	return kept, true
+}
+
+// Local returns this table's pin for reqID, never asking the share.
+func (t *PinTable) Local(reqID string) (Pin, bool) {
 	now := t.clk.Now().UnixNano()
 	s := t.shard(reqID)
 	s.mu.Lock()
@@ -243,9 +355,17 @@ func (t *PinTable) Get(reqID string) (Pin, bool) {
 
 // Wait returns reqID's pin, waiting up to d for one to be set. It gives up
 // early when done is closed. ok is false when no pin came.
+//
+// With a share, the share is read once the waiter is registered (so that
+// a placement published after that read wakes it), then on every message
+// of the share's placement channel for reqID and every Poll: a pin another
+// replica wrote is found at once, never after d.
 func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pin, bool) {
-	if p, ok := t.Get(reqID); ok || d <= 0 {
-		return p, ok
+	if p, ok := t.Local(reqID); ok || d <= 0 {
+		if ok || t.share == nil {
+			return p, ok
+		}
+		return t.fetch(reqID)
 	}
 	s := t.shard(reqID)
 	s.mu.Lock()
@@ -260,21 +380,75 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 	}
 	w.n++
 	s.mu.Unlock()
+	if t.share != nil {
+		t.fetch(reqID) // stores a pin it finds, which closes w.ch
+	}
 
 	timer := t.clk.NewTimer(d)
-	select {
-	case <-w.ch:
-	case <-timer.C():
-	case <-done:
+	var poll <-chan time.Time
+	var pollTimer clock.Timer
+	if t.share != nil {
+		// Pub/sub wakes this waiter when another replica places the pin
+		// (Share); a poll covers a message lost to a reconnect.
+		pollTimer = t.clk.NewTimer(t.share.Poll())
+		poll = pollTimer.C()
+	}
+wait:
+	for {
+		select {
+		case <-w.ch:
+			break wait
+		case <-timer.C():
+			break wait
+		case <-done:
+			break wait
+		case <-poll:
+			if _, ok := t.fetch(reqID); ok {
+				break wait
+			}
+			pollTimer = t.clk.NewTimer(t.share.Poll())
+			poll = pollTimer.C()
+		}
 	}
 	timer.Stop()
+	if pollTimer != nil {
+		pollTimer.Stop()
+	}
 
 	s.mu.Lock()
 	if w.n--; w.n == 0 && s.waiting[reqID] == w {
 		delete(s.waiting, reqID)
 	}
 	s.mu.Unlock()
-	return t.Get(reqID)
+	return t.Local(reqID)
+}
+
+// Share makes t share its pins through s from now on (call it before any
+// traffic) and runs s's subscription until ctx ends: a req_id placed on
+// another replica wakes this replica's follow-ups waiting for it.
+func (t *PinTable) Share(ctx context.Context, s PinShare, log *zap.Logger) (done <-chan struct{}) {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	t.share, t.log = s, log
+	ch := make(chan struct{})
+	go func() {
+		defer close(ch)
+		s.Run(ctx, func(reqID string) {
+			if t.waitedFor(reqID) {
+				t.fetch(reqID)
+			}
+		})
+	}()
+	return ch
+}
+
+// waitedFor reports whether a follow-up here waits for reqID's pin.
+func (t *PinTable) waitedFor(reqID string) bool {
+	s := t.shard(reqID)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.waiting[reqID] != nil
 }
 
 // Delete forgets reqID.
