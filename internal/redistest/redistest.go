@@ -3,8 +3,11 @@
 // and Restart let a test simulate Redis dying mid-run and coming back (empty,
 // as a server without persistence does).
 //
-// WithTLS and WithMutualTLS make it speak TLS only, with a CA made for the
-// test.
+// The same options give the Redis shapes a gateway meets in production, all
+// on loopback: TLS (WithTLS, WithMutualTLS, with a CA made for the test),
+// and a sentinel set (StartSentinel: master, replica, three sentinels).
+// Every process dies with the test
+// binary (Pdeathsig) and is stopped in t.Cleanup.
 package redistest
 
 import (
@@ -34,17 +37,16 @@ const startTimeout = 10 * time.Second
 
 // readyTimeout bounds how long a shape may take to settle after its
 // processes answer PING: a replica's first sync, the sentinels finding each
-// other (their hello messages go every 2 s), a cluster's nodes agreeing on
-// the slots.
+// other (their hello messages go every 2 s).
 const readyTimeout = 20 * time.Second
 
 // pollEvery is how often the helper asks a Redis process again while it
 // waits for a state no event announces to it (replica in sync, sentinels
-// agreeing, cluster_state:ok).
+// agreeing).
 const pollEvery = 50 * time.Millisecond
 
 // Server is one redis-server process for one test (or one node of a
-// sentinel or cluster set).
+// sentinel set).
 type Server struct {
 	t        testing.TB
 	bin      string
@@ -53,7 +55,7 @@ type Server struct {
 	password string       // requirepass; "" for none
 	tls      *tlsMaterial // nil: plain TCP
 	// argv gives the process's arguments for a port: the node's role
-	// (plain, replica, cluster node, sentinel) lives here.
+	// (plain, replica, sentinel) lives here.
 	argv func(port int) ([]string, error)
 
 	mu   sync.Mutex // protects proc
@@ -68,28 +70,38 @@ type process struct {
 
 // config is what the options set; one config serves every node of a shape.
 type config struct {
-	password       string
-	tls, mutualTLS bool
+	password         string
+	tls, mutualTLS   bool
+	sentinelPassword string
 }
 
-// Option changes how Start runs the server.
+// Option changes how Start or StartSentinel run their servers.
 type Option func(*config)
 
 // WithPassword makes the server require password (requirepass): a client
 // that does not AUTH with it is refused (NOAUTH, or WRONGPASS for another
-// password). Restart keeps it.
+// password). Restart keeps it. In a sentinel set every data node
+// requires it (and replicas and sentinels use it towards them).
 func WithPassword(password string) Option { return func(c *config) { c.password = password } }
 
 // WithTLS makes the server speak TLS only: port 0, tls-port on the port
 // Addr gives, tls-auth-clients optional (a client certificate is checked
 // when sent, not required). The CA and certificates are made for the test in
 // its temp dir; TLS gives their files and ClientTLSConfig a client config
-// that trusts them.
+// that trusts them. In a sentinel set, every process (sentinels,
+// replication, the cluster bus) speaks TLS.
 func WithTLS() Option { return func(c *config) { c.tls = true } }
 
 // WithMutualTLS is WithTLS with tls-auth-clients yes: a client without a
 // certificate from the test's CA is refused.
 func WithMutualTLS() Option { return func(c *config) { c.tls, c.mutualTLS = true, true } }
+
+// WithSentinelPassword makes the sentinels of StartSentinel require
+// password (requirepass; they use it towards each other too). Start refuses
+// it.
+func WithSentinelPassword(password string) Option {
+	return func(c *config) { c.sentinelPassword = password }
+}
 
 // shape is what every Start* shares: the binaries' lookup, the options, and
 // the TLS material when asked for.
@@ -140,6 +152,9 @@ func (sh *shape) newNode(t testing.TB, bin string) *Server {
 func Start(t testing.TB, opts ...Option) *Server {
 	t.Helper()
 	sh := newShape(t, opts, Binary)
+	if sh.cfg.sentinelPassword != "" {
+		t.Fatal("redistest: Start: WithSentinelPassword is for StartSentinel")
+	}
 	s := sh.newNode(t, Binary)
 	if err := s.launch(freePort); err != nil {
 		t.Fatalf("redistest: %v", err)
