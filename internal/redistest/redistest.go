@@ -5,8 +5,8 @@
 //
 // The same options give the Redis shapes a gateway meets in production, all
 // on loopback: TLS (WithTLS, WithMutualTLS, with a CA made for the test),
-// and a sentinel set (StartSentinel: master, replica, three sentinels).
-// Every process dies with the test
+// a sentinel set (StartSentinel: master, replica, three sentinels) and a
+// cluster (StartCluster: three masters). Every process dies with the test
 // binary (Pdeathsig) and is stopped in t.Cleanup.
 package redistest
 
@@ -37,16 +37,17 @@ const startTimeout = 10 * time.Second
 
 // readyTimeout bounds how long a shape may take to settle after its
 // processes answer PING: a replica's first sync, the sentinels finding each
-// other (their hello messages go every 2 s).
+// other (their hello messages go every 2 s), a cluster's nodes agreeing on
+// the slots.
 const readyTimeout = 20 * time.Second
 
 // pollEvery is how often the helper asks a Redis process again while it
 // waits for a state no event announces to it (replica in sync, sentinels
-// agreeing).
+// agreeing, cluster_state:ok).
 const pollEvery = 50 * time.Millisecond
 
 // Server is one redis-server process for one test (or one node of a
-// sentinel set).
+// sentinel or cluster set).
 type Server struct {
 	t        testing.TB
 	bin      string
@@ -55,7 +56,7 @@ type Server struct {
 	password string       // requirepass; "" for none
 	tls      *tlsMaterial // nil: plain TCP
 	// argv gives the process's arguments for a port: the node's role
-	// (plain, replica, sentinel) lives here.
+	// (plain, replica, cluster node, sentinel) lives here.
 	argv func(port int) ([]string, error)
 
 	mu   sync.Mutex // protects proc
@@ -75,12 +76,12 @@ type config struct {
 	sentinelPassword string
 }
 
-// Option changes how Start or StartSentinel run their servers.
+// Option changes how Start, StartSentinel or StartCluster run their servers.
 type Option func(*config)
 
 // WithPassword makes the server require password (requirepass): a client
 // that does not AUTH with it is refused (NOAUTH, or WRONGPASS for another
-// password). Restart keeps it. In a sentinel set every data node
+// password). Restart keeps it. In a sentinel or cluster set every data node
 // requires it (and replicas and sentinels use it towards them).
 func WithPassword(password string) Option { return func(c *config) { c.password = password } }
 
@@ -88,7 +89,7 @@ func WithPassword(password string) Option { return func(c *config) { c.password 
 // Addr gives, tls-auth-clients optional (a client certificate is checked
 // when sent, not required). The CA and certificates are made for the test in
 // its temp dir; TLS gives their files and ClientTLSConfig a client config
-// that trusts them. In a sentinel set, every process (sentinels,
+// that trusts them. In a sentinel or cluster set, every process (sentinels,
 // replication, the cluster bus) speaks TLS.
 func WithTLS() Option { return func(c *config) { c.tls = true } }
 
@@ -97,8 +98,8 @@ func WithTLS() Option { return func(c *config) { c.tls = true } }
 func WithMutualTLS() Option { return func(c *config) { c.tls, c.mutualTLS = true, true } }
 
 // WithSentinelPassword makes the sentinels of StartSentinel require
-// password (requirepass; they use it towards each other too). Start refuses
-// it.
+// password (requirepass; they use it towards each other too). Start and
+// StartCluster refuse it.
 func WithSentinelPassword(password string) Option {
 	return func(c *config) { c.sentinelPassword = password }
 }
