@@ -2,11 +2,16 @@
 // free loopback port, with no persistence, stopped when the test ends. Kill
 // and Restart let a test simulate Redis dying mid-run and coming back (empty,
 // as a server without persistence does).
+//
+// The same options give the Redis shapes a gateway meets in production, all
+// on loopback: TLS (WithTLS, WithMutualTLS, with a CA made for the test),
+// a sentinel set (StartSentinel: master, replica, three sentinels) and a
+// cluster (StartCluster: three masters). Every process dies with the test
+// binary (Pdeathsig) and is stopped in t.Cleanup.
 package redistest
 
 import (
-	"bufio"
-	"errors"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"os"
@@ -23,16 +28,36 @@ import (
 // Binary is the server the helper runs, looked up on PATH.
 const Binary = "redis-server"
 
+// logName is the file in a server's dir that takes its stdout and stderr
+// (its log: the server runs with logfile "").
+const logName = "redis.log"
+
 // startTimeout bounds how long a server may take to answer PING.
 const startTimeout = 10 * time.Second
 
-// Server is one redis-server process for one test.
+// readyTimeout bounds how long a shape may take to settle after its
+// processes answer PING: a replica's first sync, the sentinels finding each
+// other (their hello messages go every 2 s), a cluster's nodes agreeing on
+// the slots.
+const readyTimeout = 20 * time.Second
+
+// pollEvery is how often the helper asks a Redis process again while it
+// waits for a state no event announces to it (replica in sync, sentinels
+// agreeing, cluster_state:ok).
+const pollEvery = 50 * time.Millisecond
+
+// Server is one redis-server process for one test (or one node of a
+// sentinel or cluster set).
 type Server struct {
 	t        testing.TB
 	bin      string
 	dir      string
 	port     int
-	password string // requirepass; "" for none
+	password string       // requirepass; "" for none
+	tls      *tlsMaterial // nil: plain TCP
+	// argv gives the process's arguments for a port: the node's role
+	// (plain, replica, cluster node, sentinel) lives here.
+	argv func(port int) ([]string, error)
 
 	mu   sync.Mutex // protects proc
 	proc *process   // nil while stopped
@@ -44,42 +69,118 @@ type process struct {
 	log    string
 }
 
-// Option changes how Start runs the server.
-type Option func(*Server)
+// config is what the options set; one config serves every node of a shape.
+type config struct {
+	password         string
+	tls, mutualTLS   bool
+	sentinelPassword string
+}
+
+// Option changes how Start, StartSentinel or StartCluster run their servers.
+type Option func(*config)
 
 // WithPassword makes the server require password (requirepass): a client
 // that does not AUTH with it is refused (NOAUTH, or WRONGPASS for another
-// password). Restart keeps it.
-func WithPassword(password string) Option { return func(s *Server) { s.password = password } }
+// password). Restart keeps it. In a sentinel or cluster set every data node
+// requires it (and replicas and sentinels use it towards them).
+func WithPassword(password string) Option { return func(c *config) { c.password = password } }
+
+// WithTLS makes the server speak TLS only: port 0, tls-port on the port
+// Addr gives, tls-auth-clients optional (a client certificate is checked
+// when sent, not required). The CA and certificates are made for the test in
+// its temp dir; TLS gives their files and ClientTLSConfig a client config
+// that trusts them. In a sentinel or cluster set, every process (sentinels,
+// replication, the cluster bus) speaks TLS.
+func WithTLS() Option { return func(c *config) { c.tls = true } }
+
+// WithMutualTLS is WithTLS with tls-auth-clients yes: a client without a
+// certificate from the test's CA is refused.
+func WithMutualTLS() Option { return func(c *config) { c.tls, c.mutualTLS = true, true } }
+
+// WithSentinelPassword makes the sentinels of StartSentinel require
+// password (requirepass; they use it towards each other too). Start and
+// StartCluster refuse it.
+func WithSentinelPassword(password string) Option {
+	return func(c *config) { c.sentinelPassword = password }
+}
+
+// shape is what every Start* shares: the binaries' lookup, the options, and
+// the TLS material when asked for.
+type shape struct {
+	cfg config
+	tls *tlsMaterial
+}
+
+// newShape applies opts and makes the TLS material in dir; it skips t when
+// a binary in bins is not installed.
+func newShape(t testing.TB, opts []Option, bins ...string) *shape {
+	t.Helper()
+	for _, b := range bins {
+		if _, err := exec.LookPath(b); err != nil {
+			t.Skipf("%s is not installed (apt-get install redis-server; .ci/run installs it): %v", b, err)
+		}
+	}
+	sh := &shape{}
+	for _, o := range opts {
+		o(&sh.cfg)
+	}
+	if sh.cfg.tls {
+		m, err := newTLSMaterial(t.TempDir(), sh.cfg.mutualTLS)
+		if err != nil {
+			t.Fatalf("redistest: making the TLS certificates: %v", err)
+		}
+		sh.tls = m
+	}
+	return sh
+}
+
+// newNode is a stopped Server of the shape with its own temp dir, stopped
+// in t.Cleanup.
+func (sh *shape) newNode(t testing.TB, bin string) *Server {
+	t.Helper()
+	path, err := exec.LookPath(bin)
+	if err != nil {
+		t.Fatalf("redistest: %v", err) // newShape checked it; PATH changed under the test
+	}
+	s := &Server{t: t, bin: path, dir: t.TempDir(), password: sh.cfg.password, tls: sh.tls}
+	s.argv = func(port int) ([]string, error) { return s.baseArgs(port), nil }
+	t.Cleanup(s.stop)
+	return s
+}
 
 // Start runs a redis-server for t on a free loopback port and stops it in
 // t.Cleanup. It skips the test when redis-server is not installed.
 func Start(t testing.TB, opts ...Option) *Server {
 	t.Helper()
-	bin, err := exec.LookPath(Binary)
-	if err != nil {
-		t.Skipf("%s is not installed (apt-get install redis-server; .ci/run installs it): %v", Binary, err)
+	sh := newShape(t, opts, Binary)
+	if sh.cfg.sentinelPassword != "" {
+		t.Fatal("redistest: Start: WithSentinelPassword is for StartSentinel")
 	}
-	s := &Server{t: t, bin: bin, dir: t.TempDir()}
-	for _, o := range opts {
-		o(s)
+	s := sh.newNode(t, Binary)
+	if err := s.launch(freePort); err != nil {
+		t.Fatalf("redistest: %v", err)
 	}
-	t.Cleanup(s.stop)
-	// A free port can be taken between probing and binding: try a few.
-	var lastErr error
-	for range 5 {
-		if s.port, err = freePort(); err != nil {
-			t.Fatalf("redistest: finding a free port: %v", err)
-		}
-		if lastErr = s.start(); lastErr == nil {
-			return s
-		}
-	}
-	t.Fatalf("redistest: %v", lastErr)
-	return nil
+	return s
 }
 
-// Addr is the server's host:port.
+// launch starts the server on a port from pick; a free port can be taken
+// between probing and binding, so it tries a few.
+func (s *Server) launch(pick func() (int, error)) error {
+	var lastErr error
+	for range 5 {
+		port, err := pick()
+		if err != nil {
+			return fmt.Errorf("finding a free port: %w", err)
+		}
+		s.port = port
+		if lastErr = s.start(); lastErr == nil {
+			return nil
+		}
+	}
+	return lastErr
+}
+
+// Addr is the server's host:port (its TLS port WithTLS).
 func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)) }
 
 // Port is the server's port.
@@ -87,6 +188,20 @@ func (s *Server) Port() int { return s.port }
 
 // Password is the password the server requires, "" for none.
 func (s *Server) Password() string { return s.password }
+
+// TLS is the server's certificate files, nil without WithTLS.
+func (s *Server) TLS() *TLSFiles {
+	if s.tls == nil {
+		return nil
+	}
+	f := s.tls.files
+	return &f
+}
+
+// ClientTLSConfig is a new client config that trusts only the server's CA
+// and presents the client certificate (so it passes WithMutualTLS too); nil
+// without WithTLS.
+func (s *Server) ClientTLSConfig() *tls.Config { return s.tls.clientConfig() }
 
 // Kill ends the server with SIGKILL, as a crash would, and waits until it is
 // gone. The port stops answering at once.
@@ -129,16 +244,10 @@ func (s *Server) Restart() {
 	}
 }
 
-// start runs redis-server on s.port and waits until it answers PING.
-func (s *Server) start() error {
-	logPath := filepath.Join(s.dir, "redis.log")
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return err
-	}
-	defer logf.Close()
+// baseArgs are the flags of every data node: loopback only, no
+// persistence, the log on stdout, the password and TLS when asked for.
+func (s *Server) baseArgs(port int) []string {
 	args := []string{
-		"--port", strconv.Itoa(s.port),
 		"--bind", "127.0.0.1",
 		"--save", "",
 		"--appendonly", "no",
@@ -146,11 +255,35 @@ func (s *Server) start() error {
 		"--daemonize", "no",
 		"--dir", s.dir,
 		"--logfile", "",
+		// A replica's first sync starts at once, not after the 5 s that
+		// Redis 7 waits by default for more replicas to share a diskless one.
+		"--repl-diskless-sync-delay", "0",
+	}
+	if s.tls != nil {
+		args = append(args, s.tls.args(port)...)
+	} else {
+		args = append(args, "--port", strconv.Itoa(port))
 	}
 	if s.password != "" {
 		// On the command line, as deploy/kubernetes/redis.yaml passes it;
-		// only the test's own processes see it.
-		args = append(args, "--requirepass", s.password)
+		// only the test's own processes see it. masterauth too, for a node
+		// that is (or becomes, after a failover) a replica.
+		args = append(args, "--requirepass", s.password, "--masterauth", s.password)
+	}
+	return args
+}
+
+// start runs the server on s.port and waits until it answers PING.
+func (s *Server) start() error {
+	logPath := filepath.Join(s.dir, logName)
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	args, err := s.argv(s.port)
+	if err != nil {
+		return err
 	}
 	cmd := exec.Command(s.bin, args...)
 	cmd.Dir = s.dir
@@ -168,10 +301,10 @@ func (s *Server) start() error {
 	for {
 		select {
 		case <-p.exited:
-			return fmt.Errorf("redis-server on port %d exited at start: %s", s.port, tail(logPath))
+			return fmt.Errorf("%s on port %d exited at start: %s", filepath.Base(s.bin), s.port, tail(logPath))
 		default:
 		}
-		if ping(s.Addr(), s.password) == nil {
+		if pingTLS(s.Addr(), s.password, s.tls.clientConfig()) == nil {
 			s.mu.Lock()
 			s.proc = p
 			s.mu.Unlock()
@@ -180,7 +313,7 @@ func (s *Server) start() error {
 		if time.Now().After(deadline) {
 			_ = cmd.Process.Signal(syscall.SIGKILL)
 			<-p.exited
-			return fmt.Errorf("redis-server on port %d did not answer PING within %v: %s", s.port, startTimeout, tail(logPath))
+			return fmt.Errorf("%s on port %d did not answer PING within %v: %s", filepath.Base(s.bin), s.port, startTimeout, tail(logPath))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -204,44 +337,6 @@ func (s *Server) stop() {
 	}
 }
 
-// ping sends PING over a fresh connection and expects +PONG; with a
-// password it sends AUTH first and expects +OK.
-func ping(addr, password string) error {
-	c, err := net.DialTimeout("tcp", addr, time.Second)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(time.Second))
-	r := bufio.NewReader(c)
-	if password != "" {
-		if err := command(c, r, "+OK", "AUTH", password); err != nil {
-			return err
-		}
-	}
-	return command(c, r, "+PONG", "PING")
-}
-
-// command sends args as one RESP array (binary-safe, unlike an inline
-// command) and expects the line want.
-func command(c net.Conn, r *bufio.Reader, want string, args ...string) error {
-	req := "*" + strconv.Itoa(len(args)) + "\r\n"
-	for _, a := range args {
-		req += "$" + strconv.Itoa(len(a)) + "\r\n" + a + "\r\n"
-	}
-	if _, err := c.Write([]byte(req)); err != nil {
-		return err
-	}
-	line, err := r.ReadString('\n')
-	if err != nil {
-		return err
-	}
-	if strings.TrimSpace(line) != want {
-		return errors.New("unexpected " + args[0] + " answer " + strconv.Quote(line))
-	}
-	return nil
-}
-
 func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -250,6 +345,26 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+// waitFor calls check until it returns nil or d has passed; then it returns
+// check's last error. It polls: what it waits for lives in another process
+// that sends no signal.
+func waitFor(d time.Duration, check func() error) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := check()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(pollEvery)
+	}
+}
+
+// logTail is the end of the server's log, for a failure message.
+func (s *Server) logTail() string { return tail(filepath.Join(s.dir, logName)) }
 
 // tail returns the end of the server's log for an error message.
 func tail(path string) string {
