@@ -5,7 +5,9 @@
 // reply is dropped; and the link is cut at once. Every connection through
 // the proxy is closed, and connections accepted during the outage are reset
 // as soon as they open. When the outage ends, after a set duration or when
-// the test calls Heal, the proxy forwards again.
+// the test calls Heal, the proxy forwards again. CutBefore cuts the link
+// before the command reaches the server instead: a command lost on its
+// way.
 //
 // The client cannot tell whether its command was applied, though it was.
 // That is the ambiguous failure a lost reply is, and what a Redis blip does
@@ -44,6 +46,7 @@ type Proxy struct {
 type Fault struct {
 	match  []byte
 	outage time.Duration
+	before bool // cut before the command reaches the target (CutBefore)
 
 	cut    chan struct{} // closed when the reply was dropped and the link cut
 	healed chan struct{} // closed when the outage ended
@@ -102,6 +105,17 @@ func (p *Proxy) DropReplyAndCut(match string, outage time.Duration) *Fault {
 	f := &Fault{match: []byte(match), outage: outage, cut: make(chan struct{}), healed: make(chan struct{})}
 	p.mu.Lock()
 	p.armed = f
+	p.mu.Unlock()
+	return f
+}
+
+// CutBefore arms a fault like DropReplyAndCut's, except that the matched
+// command never reaches the target: the link is cut as it arrives. The
+// client cannot tell this from a lost reply either.
+func (p *Proxy) CutBefore(match string, outage time.Duration) *Fault {
+	f := p.DropReplyAndCut(match, outage)
+	p.mu.Lock()
+	f.before = true
 	p.mu.Unlock()
 	return f
 }
@@ -214,11 +228,18 @@ func (p *Proxy) toServer(l *link) {
 		n, err := l.client.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			if f := p.armed; f != nil && l.drop == nil && bytes.Contains(buf[:n], f.match) {
+			f := p.armed
+			if f != nil && l.drop == nil && bytes.Contains(buf[:n], f.match) {
 				// Before the write: the reply cannot come back unseen.
 				p.armed, l.drop = nil, f
+			} else {
+				f = nil
 			}
 			p.mu.Unlock()
+			if f != nil && f.before {
+				p.cut(f)
+				return
+			}
 			if _, werr := l.server.Write(buf[:n]); werr != nil {
 				return
 			}

@@ -96,3 +96,27 @@ func TestDropReplyAndCutForADuration(t *testing.T) {
 		t.Fatalf("after the outage: %v", err)
 	}
 }
+
+// CutBefore: the matched command is never applied, and the link is cut.
+func TestCutBefore(t *testing.T) {
+	srv := redistest.Start(t)
+	p := Start(t, srv.Addr())
+	via, direct := client(t, p.Addr()), client(t, srv.Addr())
+	ctx := context.Background()
+	f := p.CutBefore("never-set", 0)
+	if err := via.Set(ctx, "never-set", "1", 0).Err(); err == nil {
+		t.Fatal("the matched command got an answer")
+	}
+	wait(t, "the cut", f.Cut())
+	if n, err := direct.Exists(ctx, "never-set").Result(); err != nil || n != 0 {
+		t.Fatalf("the matched command reached the target: %d %v", n, err)
+	}
+	if err := via.Ping(ctx).Err(); err == nil {
+		t.Fatal("ping through the cut link answered")
+	}
+	p.Heal()
+	wait(t, "the heal", f.Healed())
+	if err := via.Ping(ctx).Err(); err != nil {
+		t.Fatalf("after Heal: %v", err)
+	}
+}
