@@ -33,7 +33,7 @@ func Open(cfg Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 		}()
 		return &Opened{Store: m, Memory: m, stop: func() error { cancel(); <-done; return nil }}, nil
 	case "redis":
-		r, err := NewRedis(cfg.Redis, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, clk, log)
+		r, err := NewRedis(cfg.Redis, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, cfg.MaxOrphanedClaims, clk, log)
 		if err != nil {
 			return nil, err
 		}

@@ -31,6 +31,8 @@ type redisOpts struct {
 	ttl, claimTTL, poll time.Duration
 	maxDests            int    // 0: the default
 	passwordFile        string // idempotency.redis.password_file
+	addr                string // "": the server's own (else a proxy in front of it)
+	clk                 clock.Clock
 }
 
 // newRedisStore returns a store (a "replica") on srv. By default waiters
@@ -48,11 +50,17 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	}
 	cfg := DefaultConfig().Redis
 	cfg.Addr = srv.Addr()
+	if o.addr != "" {
+		cfg.Addr = o.addr
+	}
+	if o.clk == nil {
+		o.clk = clock.Real{}
+	}
 	cfg.KeyPrefix = "t:"
 	cfg.PoolSize = 16
 	cfg.PollInterval = configfile.Duration(o.poll)
 	cfg.PasswordFile = o.passwordFile
-	r, err := NewRedis(cfg, o.ttl, o.claimTTL, o.maxDests, clock.Real{}, zap.NewNop())
+	r, err := NewRedis(cfg, o.ttl, o.claimTTL, o.maxDests, 0, o.clk, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -595,7 +603,7 @@ func TestRedisNeverReachable(t *testing.T) {
 	srv.Kill()
 	cfg := DefaultConfig().Redis
 	cfg.Addr = addr
-	r, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil)
+	r, err := NewRedis(cfg, time.Minute, time.Minute, 0, 0, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -609,20 +617,20 @@ func TestRedisNeverReachable(t *testing.T) {
 
 func TestNewRedisRejectsBadArguments(t *testing.T) {
 	cfg := DefaultConfig().Redis
-	if _, err := NewRedis(cfg, 0, time.Minute, 0, nil, nil); err == nil {
+	if _, err := NewRedis(cfg, 0, time.Minute, 0, 0, nil, nil); err == nil {
 		t.Error("ttl 0 accepted")
 	}
-	if _, err := NewRedis(cfg, time.Minute, time.Microsecond, 0, nil, nil); err == nil {
+	if _, err := NewRedis(cfg, time.Minute, time.Microsecond, 0, 0, nil, nil); err == nil {
 		t.Error("claim_ttl under 1ms accepted")
 	}
 	cfg.Addr = ""
-	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil); err == nil {
+	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, 0, nil, nil); err == nil {
 		t.Error("empty addr accepted")
 	}
 	cfg.Addr = "127.0.0.1:6379"
 	cfg.PasswordFile = secretfiletest.Write(t, "redis.password", "pw\n", 0o644)
 	want := "idempotency.redis.password_file: password file " + cfg.PasswordFile + " has mode 0644"
-	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, nil, nil); err == nil || !strings.Contains(err.Error(), want) {
+	if _, err := NewRedis(cfg, time.Minute, time.Minute, 0, 0, nil, nil); err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("a password file others may read: %v, want %q", err, want)
 	}
 }
