@@ -295,11 +295,13 @@ func (p *Proxy) cut(f *Fault) {
 		f.timer = time.AfterFunc(f.outage, func() { p.heal(f) })
 	}
 	p.mu.Unlock()
+	// Before any client can see the cut, so a test that got a client's
+	// error finds Cut closed.
+	close(f.cut)
 	for _, l := range links {
 		if tc, ok := l.client.(*net.TCPConn); ok {
 			_ = tc.SetLinger(0)
 		}
 		l.close()
 	}
-	close(f.cut)
 }
