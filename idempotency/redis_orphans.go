@@ -11,9 +11,9 @@ import (
 // its claim. An Abandon that fails leaves its claim in place. Either way,
 // nothing reached the encoder under that claim. Claim returned an error,
 // so its caller did not forward, and Abandon is only called when nothing
-// reached the encoder. Until now, such a claim blocked its key for
-// claim_ttl: every retry found the key busy and waited, though nothing was
-// in flight.
+// reached the encoder. Left alone, such a claim blocks its key for
+// claim_ttl: every retry finds the key busy and waits, though nothing is in
+// flight.
 //
 // This process therefore keeps the token of every such claim (an orphan)
 // until the orphan is resolved:
