@@ -20,6 +20,7 @@ import (
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/faultproxy"
 	"github.com/encgate/encgate/internal/redistest"
 )
 
@@ -231,4 +232,71 @@ func TestChaosRedisRefusesWritesMidFlight(t *testing.T) {
 	}
 	r.check()
 	t.Logf("refused and held: %v", fmt.Sprint(r.metric("encgate_idempotency_complete_refused_total")))
+}
+
+// TestChaosRedisLostClaimReplyThenRetryIsForwardedOnce: a Redis blip mid
+// /send. A proxy between the gateway and Redis lets the /send's claim
+// through to Redis, which sets it, drops the reply and cuts the link for
+// 1.5s. The caller gets a 503; its retry once Redis is back gets a 200, and
+// the /send reached the encoder once. claim_ttl is an hour: the retry did
+// not wait for the claim to expire (before, it got a 504 until then).
+func TestChaosRedisLostClaimReplyThenRetryIsForwardedOnce(t *testing.T) {
+	chaosLeakCheck(t)
+	rd := redistest.Start(t)
+	p := faultproxy.Start(t, rd.Addr())
+	c := newChaos(t, 2, func(cfg *Config) {
+		cfg.Idempotency.Store = "redis"
+		cfg.Redis.Addr = p.Addr()
+		cfg.Redis.Timeout = configfile.Duration(200 * time.Millisecond)
+		cfg.Redis.DialTimeout = configfile.Duration(200 * time.Millisecond)
+		cfg.Idempotency.ClaimTTL = configfile.Duration(time.Hour)
+	}, nil)
+	// A first part loads the store's scripts into Redis, so the fault below
+	// drops the claim script's own reply (not a NOSCRIPT answer to it).
+	if res := c.part("warm-0_local_part_0"); !res.ok {
+		t.Fatalf("healthy Redis: %v %s", res.status, res.last)
+	}
+	id := "blip-0_local_part_0"
+	for _, call := range []struct{ route, body string }{{routeEncode, encodeBody(id)}, {routeMetadata, metaBody(id)}} {
+		if a, ok := c.call(call.route, id, call.body, ""); !ok || a.status != http.StatusOK {
+			t.Fatalf("%s: %d %s", call.route, a.status, a.body)
+		}
+	}
+	f := p.DropReplyAndCut("{"+id+"}:claim:", 1500*time.Millisecond)
+	a, ok := c.call(routeSend, id, tpSend(id, 0, c.tp), sendDest(0))
+	if !ok || a.status != http.StatusServiceUnavailable {
+		t.Fatalf("the /send whose claim reply was lost: %d %s, want 503", a.status, a.body)
+	}
+	select {
+	case <-f.Cut():
+	default:
+		t.Fatal("the /send was answered but its claim's reply was not dropped")
+	}
+	select {
+	case <-f.Healed():
+	case <-time.After(time.Minute):
+		t.Fatal("the 1.5s outage did not end")
+	}
+	if a, ok := c.call(routeSend, id, tpSend(id, 0, c.tp), sendDest(0)); !ok || a.status != http.StatusOK {
+		t.Fatalf("the client's retry once Redis is back: %d %s, want 200", a.status, a.body)
+	}
+	a, ok = c.call(routeSend, id, tpSend(id, 0, c.tp), sendDest(0))
+	if !ok || a.status != http.StatusOK || a.header.Get("X-Encgate-Replayed") != "true" {
+		t.Fatalf("a later duplicate: %d %q %s, want a replayed 200", a.status, a.header.Get("X-Encgate-Replayed"), a.body)
+	}
+	var arrived int64
+	for _, e := range c.encs {
+		arrived += e.Stats().SendArrivals[id+"|"+sendDest(0)]
+	}
+	if arrived != 1 {
+		t.Fatalf("the /send reached the encoders %d times, want once", arrived)
+	}
+	eventually(t, "the orphaned claim to be resolved", func() bool {
+		return seriesValue(t, c.g, "encgate_idempotency_orphaned_claims") == 0
+	})
+	if got := seriesValue(t, c.g, "encgate_idempotency_orphaned_claims_total", "outcome", "abandoned") +
+		seriesValue(t, c.g, "encgate_idempotency_orphaned_claims_total", "outcome", "taken_over"); got != 1 {
+		t.Errorf("orphaned claims abandoned + taken over = %v, want 1", got)
+	}
+	c.check()
 }

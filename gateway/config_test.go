@@ -51,6 +51,8 @@ func TestValidate(t *testing.T) {
 		{"max conns", func(c *Config) { c.Limits.MaxConns = 0 }, []string{"limits.max_conns: must be between 1 and"}},
 		{"max inflight", func(c *Config) { c.Limits.MaxInflightPerEncoder = 0 }, []string{"limits.max_inflight_per_encoder: must be >= 1, got 0"}},
 		{"shutdown delay", func(c *Config) { c.Shutdown.Delay = -1 }, []string{"shutdown.delay: must be >= 0"}},
+		{"max orphaned claims", func(c *Config) { c.Idempotency.MaxOrphanedClaims = 0 },
+			[]string{"idempotency.max_orphaned_claims: must be between 1 and 16777216, got 0"}},
 		{"admin token", func(c *Config) { c.Admin.Token = "0123456789abcdef" }, nil},
 		{"short admin token", func(c *Config) { c.Admin.Token = "hunter2" }, []string{"admin.token: must be at least 16 characters, got 7"}},
 		{"admin token with a space", func(c *Config) { c.Admin.Token = "correct horse battery staple" },

@@ -39,6 +39,13 @@ type Config struct {
 	// that (read-only) for longer than ClaimTTL lets the claim lapse
 	// (encgate_idempotency_complete_lost_total{reason="claim_lost"}).
 	ClaimTTL configfile.Duration `yaml:"claim_ttl"`
+	// MaxOrphanedClaims bounds the claims a replica keeps to end once Redis
+	// answers again (default 65536): claims that a Claim whose reply was
+	// lost, or an Abandon that failed, may have left, with nothing forwarded
+	// under them. The replica ends each one as soon as Redis answers, and
+	// its own retry of the /send takes it over at once. Past the bound, a
+	// claim is left to expire with ClaimTTL. Only the redis store uses it.
+	MaxOrphanedClaims int `yaml:"max_orphaned_claims"`
 	// FailOpen forwards /sends without dedupe while Redis is unreachable
 	// (counted in encgate_idempotency_fail_open_total). Off by default: the
 	// caller then gets a 503 envelope and nothing is forwarded. Read with
@@ -54,6 +61,10 @@ type Config struct {
 // claim script counts them one by one.
 const maxDestinationsLimit = 1 << 16
 
+// maxOrphanedClaimsLimit is the largest max_orphaned_claims: the resolver
+// goes over them all on every pass.
+const maxOrphanedClaimsLimit = 1 << 24
+
 // DefaultConfig returns the idempotency defaults.
 func DefaultConfig() Config {
 	return Config{
@@ -64,6 +75,9 @@ func DefaultConfig() Config {
 		MaxDestinationsPerReqID: 1024,
 		TTL:                     configfile.Duration(600e9),
 		ClaimTTL:                configfile.Duration(300e9),
+		// Each kept claim costs about 200 bytes: 13 MiB at most, and only
+		// while Redis is unreachable.
+		MaxOrphanedClaims: 1 << 16,
 	}
 }
 
@@ -82,6 +96,9 @@ func (c Config) Validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".ttl", c.TTL)
 	p.Positive(path+".claim_ttl", c.ClaimTTL)
+	if c.MaxOrphanedClaims < 1 || c.MaxOrphanedClaims > maxOrphanedClaimsLimit {
+		p.Addf(path+".max_orphaned_claims", "must be between 1 and %d, got %d", maxOrphanedClaimsLimit, c.MaxOrphanedClaims)
+	}
 	if c.MovedRedis.Set() {
 		p.Addf(path+".redis", "has moved: the connection (addr, username, password_file, db, key_prefix, timeouts, pool_size, poll_interval) is the top-level redis: section, shared by every Redis user, and fail_open is %s.fail_open", path)
 	}

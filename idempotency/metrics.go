@@ -17,6 +17,8 @@ type Metrics struct {
 	refused      prometheus.Counter
 	pending      prometheus.Gauge
 	lost         *prometheus.CounterVec
+	orphans      prometheus.Gauge
+	orphanEnds   *prometheus.CounterVec
 }
 
 // NewMetrics registers the dedupe metrics. For the memory store it also
@@ -71,13 +73,24 @@ func NewMetrics(reg prometheus.Registerer, mem *Memory) *Metrics {
 		Name: "encgate_idempotency_complete_lost_total",
 		Help: "Held /send answers whose protection ended before the store took them, by reason: claim_lost (the claim lapsed or another replica took it: the /send may be forwarded again), expired (refused for the whole ttl), closed (the gateway stopped).",
 	}, []string{"reason"})
+	m.orphans = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "encgate_idempotency_orphaned_claims",
+		Help: "Claims that failed Redis calls may have left (a claim whose reply was lost, an abandon that failed), with nothing forwarded under them, that this replica keeps to end once Redis answers.",
+	})
+	m.orphanEnds = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "encgate_idempotency_orphaned_claims_total",
+		Help: "Claims left by failed Redis calls, by how each was resolved: abandoned (ended once Redis answered, waiters woken), taken_over (this replica's retry of the /send took it over), absent (Redis had not set it), expired (Redis did not answer before claim_ttl), closed (shutdown), overflow (not kept: past idempotency.max_orphaned_claims; it expires with claim_ttl).",
+	}, []string{"outcome"})
 	reg.MustRegister(dup, m.forwarded, m.conflicts, m.waitTimeouts, m.failOpen, m.storeErrors,
-		m.destLimit, m.panics, m.refused, m.pending, m.lost)
+		m.destLimit, m.panics, m.refused, m.pending, m.lost, m.orphans, m.orphanEnds)
 	for _, op := range []string{"claim", "complete", "abandon"} {
 		m.storeErrors.WithLabelValues(op)
 	}
 	for _, reason := range []string{lostClaim, lostExpired, lostClosed} {
 		m.lost.WithLabelValues(reason)
+	}
+	for _, o := range []string{orphanAbandoned, orphanTakenOver, orphanAbsent, orphanExpired, orphanClosed, orphanOverflow} {
+		m.orphanEnds.WithLabelValues(o)
 	}
 	if mem != nil {
 		reg.MustRegister(
@@ -113,5 +126,23 @@ func (m *Metrics) pendingDone() {
 func (m *Metrics) completeLost(reason string) {
 	if m != nil {
 		m.lost.WithLabelValues(reason).Inc()
+	}
+}
+
+func (m *Metrics) orphanAdded() {
+	if m != nil {
+		m.orphans.Inc()
+	}
+}
+
+// orphanEnded counts an orphaned claim resolved by outcome; one not kept
+// (overflow) was never counted as held.
+func (m *Metrics) orphanEnded(outcome string) {
+	if m == nil {
+		return
+	}
+	m.orphanEnds.WithLabelValues(outcome).Inc()
+	if outcome != orphanOverflow {
+		m.orphans.Dec()
 	}
 }

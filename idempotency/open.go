@@ -40,7 +40,7 @@ func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk
 		}()
 		return &Opened{Store: m, Memory: m, stop: func() error { cancel(); <-done; return nil }}, nil
 	case "redis":
-		r, err := NewRedis(client, conn, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, clk, log)
+		r, err := NewRedis(client, conn, cfg.TTL.D(), cfg.ClaimTTL.D(), cfg.MaxDestinationsPerReqID, cfg.MaxOrphanedClaims, clk, log)
 		if err != nil {
 			return nil, err
 		}

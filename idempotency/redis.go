@@ -63,11 +63,22 @@ import (
 // the record is published on the done channel ('r' and the record) so
 // other replicas' waiters get the answer without it being stored.
 //
-// A claim's value is a random 16-byte token followed by the holder's
-// Fingerprint (two big-endian uint64s): Busy reports the holder's
-// fingerprint, and only the holder (this process, which keeps the token
-// until Complete or Abandon) may abandon it. A Claim that go-redis sends
-// again after a lost reply finds its own token and is granted again.
+// A claim's value is a 16-byte token followed by the holder's Fingerprint
+// (two big-endian uint64s). The token is the holder's replica id (8 random
+// bytes drawn once per store, so once per gateway process) and then 8
+// random bytes drawn for the claim. The length and layout of the value are
+// those of the older fully random token, so replicas of both kinds share
+// one Redis. Busy reports the holder's fingerprint. Only the holder, this
+// process, which keeps the token until Complete or Abandon, may abandon the
+// claim. A Claim that go-redis sends again after a lost reply finds its own
+// token and is granted again. A claim that a failed call left behind with
+// nothing forwarded under it (an orphan: a Claim whose reply was lost, an
+// Abandon that failed) is ended by this process once Redis answers again,
+// or taken over by its next Claim of the key (redis_orphans.go). A claim of
+// another replica, or one whose /send is in flight here, never is. Keeping
+// the replica id in the token means no other replica can ever hold a token
+// equal to one of ours, and an operator reading a claim in Redis can tell
+// which replica holds it.
 //
 // Record encoding (binary, version 2; version 1, read too, has no
 // Encoder):
@@ -109,9 +120,10 @@ type Redis struct {
 	maxDests  int
 	opTimeout time.Duration // bound on one operation, retries included
 	poll      time.Duration
-	retryMax  time.Duration // longest wait between tries of a refused completion
+	retryMax  time.Duration // longest wait between tries of a refused completion or an orphan's end
+	replica   string        // the first replicaIDLen bytes of every token this store makes
 
-	mu        sync.Mutex // protects tokens, nextPrune, hub, closed, pending and refusals
+	mu        sync.Mutex // protects tokens, nextPrune, hub, closed, pending, refusals and the orphans
 	tokens    map[Key]claimToken
 	nextPrune time.Time
 	hub       *redisHub // started by the first Await
@@ -119,12 +131,21 @@ type Redis struct {
 	pending   map[Key]*pendingComplete // records Redis refused, held here until it takes them
 	refusals  refusalBurst
 
+	// Claims that failed calls may have left, with nothing forwarded under
+	// them (redis_orphans.go).
+	orphans          map[Key][]*orphanClaim
+	orphanCount      int
+	maxOrphans       int
+	orphanOverflowed bool          // one was not kept since the set was last empty
+	resolving        bool          // resolveOrphans runs
+	orphanKick       chan struct{} // capacity 1: an orphan was added
+
 	obs atomic.Pointer[Metrics] // set by NewSends; nil in bare tests
 
 	done chan struct{}   // closed by Close: waiters leave
 	life context.Context // canceled by Close: background retries stop
 	end  context.CancelFunc
-	bg   sync.WaitGroup // cleanups of failed claims, retries of refused completions
+	bg   sync.WaitGroup // the orphan resolver, retries of refused completions
 }
 
 // claimToken is the token of a claim this process holds.
@@ -137,6 +158,7 @@ var _ Store = (*Redis)(nil)
 
 const (
 	tokenLen      = 16
+	replicaIDLen  = 8 // the token's first bytes: the replica's id; the rest is the claim's own
 	claimValueLen = tokenLen + 16
 	recordVersion = 2
 )
@@ -144,11 +166,13 @@ const (
 // NewRedis returns a store over client, which the caller owns (and closes
 // after Close), using conn's key prefix, timeouts and poll interval. Records
 // and release state live for ttl, claims for claimTTL; a req_id has at most
-// maxDests destinations. It does not contact Redis; call Ping to check that
-// it answers. Zero durations and sizes in conn take the defaults of
-// redisclient.Default, as do maxDests <= 0 and a nil clk (the wall clock,
-// which paces retries of refused completions) and log.
-func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimTTL time.Duration, maxDests int, clk clock.Clock, log *zap.Logger) (*Redis, error) {
+// maxDests destinations; at most maxOrphans claims left by failed calls are
+// kept to end once Redis answers. It does not contact Redis; call Ping to
+// check that it answers. Zero durations and sizes in conn take the defaults
+// of redisclient.Default, as do maxDests and maxOrphans <= 0 (those of
+// DefaultConfig) and a nil clk (the wall clock, which paces retries of
+// refused completions and of ending orphaned claims) and log.
+func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimTTL time.Duration, maxDests, maxOrphans int, clk clock.Clock, log *zap.Logger) (*Redis, error) {
 	cfg, def := conn, redisclient.Default()
 	if client == nil {
 		return nil, errors.New("idempotency: no redis client")
@@ -177,6 +201,11 @@ func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimT
 	if maxDests <= 0 {
 		maxDests = DefaultConfig().MaxDestinationsPerReqID
 	}
+	if maxOrphans <= 0 {
+		maxOrphans = DefaultConfig().MaxOrphanedClaims
+	}
+	var id [replicaIDLen]byte
+	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	c := client
 	life, end := context.WithCancel(context.Background())
 	return &Redis{
@@ -192,12 +221,16 @@ func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimT
 		poll:      cfg.PollInterval.D(),
 		// A held claim is extended every retry; four tries per claim_ttl
 		// leave three to fail before it could lapse.
-		retryMax: min(completeRetryMax, claimTTL/4),
-		tokens:   make(map[Key]claimToken),
-		pending:  make(map[Key]*pendingComplete),
-		done:     make(chan struct{}),
-		life:     life,
-		end:      end,
+		retryMax:   min(completeRetryMax, claimTTL/4),
+		replica:    string(id[:]),
+		tokens:     make(map[Key]claimToken),
+		pending:    make(map[Key]*pendingComplete),
+		orphans:    make(map[Key][]*orphanClaim),
+		maxOrphans: maxOrphans,
+		orphanKick: make(chan struct{}, 1),
+		done:       make(chan struct{}),
+		life:       life,
+		end:        end,
 	}, nil
 }
 
@@ -296,18 +329,28 @@ return redis.call('EXISTS', KEYS[2])
 `)
 
 	// KEYS: rec, rel, claim, claims, dests.
-	// ARGV: claim value, claimTTL ms, dest, max destinations, claim prefix.
+	// ARGV: claim value, claimTTL ms, dest, max destinations, claim prefix,
+	// then the tokens of this replica's orphaned claims on the key (none or
+	// more).
 	// Returns {0} claimed, {1, record} recorded, {2} released,
-	// {3, holder's claim value} busy, {4} past the destination bound. The
-	// bound counts the destinations done and those claimed by a live claim;
-	// claims holds only destinations claimed within the bound, so the loop
-	// is short.
+	// {3, holder's claim value} busy, {4} past the destination bound,
+	// {5, token} claimed by taking over the orphaned claim that held token.
+	// The bound counts the destinations done and those claimed by a live
+	// claim; claims holds only destinations claimed within the bound, so the
+	// loop is short. A claim taken over keeps its place within the bound.
 	claimScript = redis.NewScript(`
 local rec = redis.call('GET', KEYS[1])
 if rec then return {1, rec} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {2} end
 local cur = redis.call('GET', KEYS[3])
-if cur and string.sub(cur, 1, 16) ~= string.sub(ARGV[1], 1, 16) then return {3, cur} end
+local orphan
+if cur and string.sub(cur, 1, 16) ~= string.sub(ARGV[1], 1, 16) then
+  local tok = string.sub(cur, 1, 16)
+  for i = 6, #ARGV do
+    if ARGV[i] == tok then orphan = tok end
+  end
+  if not orphan then return {3, cur} end
+end
 if not cur then
   local max = tonumber(ARGV[4])
   local n = redis.call('SCARD', KEYS[5])
@@ -324,6 +367,7 @@ redis.call('SADD', KEYS[4], ARGV[3])
 if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[4], ARGV[2])
 end
+if orphan then return {5, orphan} end
 return {0}
 `)
 
@@ -364,7 +408,8 @@ return 0
 `)
 
 	// KEYS: claim, claims. ARGV: token, done channel, dest.
-	// Ends the claim if it still holds token and wakes the waiters.
+	// Ends the claim if it still holds token and wakes the waiters; returns
+	// 1 when it did, 0 when no claim held token.
 	abandonScript = redis.NewScript(`
 local cur = redis.call('GET', KEYS[1])
 if cur and string.sub(cur, 1, 16) == ARGV[1] then
@@ -419,27 +464,43 @@ func (r *Redis) Lookup(ctx context.Context, k Key) (Record, bool, bool, error) {
 
 // Claim implements Store. A fresh token marks the claim; go-redis may send
 // the script again after a lost reply, and the script then finds its own
-// token and grants the claim again instead of answering Busy.
+// token and grants the claim again instead of answering Busy. The tokens of
+// this process's orphaned claims on k go along, so that a claim one of them
+// holds is taken over rather than answered Busy (redis_orphans.go).
 func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error) {
 	if rec := r.held(k); rec != nil {
 		return Claim{State: StateRecorded, Record: rec}, nil
 	}
 	ks := r.keys(k)
-	val := claimValue(newToken(), fp)
+	tok := r.newToken()
+	orphans := r.orphanTokens(k)
+	args := make([]any, 5, 5+len(orphans))
+	args[0], args[1], args[2], args[3], args[4] = claimValue(tok, fp), r.claimTTL.Milliseconds(), k.Dest, r.maxDests, ks.claimPrefix
+	for _, o := range orphans {
+		args = append(args, o.token)
+	}
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
-	res, err := claimScript.Run(octx, r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims, ks.dests},
-		val, r.claimTTL.Milliseconds(), k.Dest, r.maxDests, ks.claimPrefix).Slice()
+	res, err := claimScript.Run(octx, r.c, []string{ks.rec, ks.rel, ks.claim, ks.claims, ks.dests}, args...).Slice()
 	if err != nil {
-		// The claim may have been made with its reply lost; nobody else
-		// could end it before it expires, so try once to end it now.
-		r.cleanup(k, string(val[:tokenLen]))
+		// The claim may have been made with its reply lost. The caller gets
+		// an error and forwards nothing under it, so it is an orphan: ended
+		// once Redis answers, or taken over by the next Claim of k here. Had
+		// it been set, it would expire claim_ttl after it was set, no later
+		// than now.
+		r.addOrphan(k, tok, r.clk.Now().Add(r.claimTTL), "claim", err)
 		return Claim{}, r.fail(ctx, "claim", err)
 	}
 	state, _ := res[0].(int64)
 	switch {
-	case state == 0:
-		r.keepToken(k, string(val[:tokenLen]))
+	case state == 0 || state == 5 && len(res) == 2:
+		r.keepToken(k, tok)
+		if len(orphans) > 0 {
+			// The script saw k's claim: one of these it took over (5), and
+			// no claim holds the others.
+			taken, _ := res[len(res)-1].(string)
+			r.settleOrphans(orphans, taken, orphanAbsent)
+		}
 		return Claim{State: StateClaimed}, nil
 	case state == 1 && len(res) == 2:
 		s, _ := res[1].(string)
@@ -466,10 +527,12 @@ func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	return Claim{}, fmt.Errorf("idempotency: claim: unexpected reply %v", res)
 }
 
-// newToken returns a fresh random claim token.
-func newToken() string {
+// newToken returns a fresh claim token: this replica's id, then random
+// bytes.
+func (r *Redis) newToken() string {
 	var b [tokenLen]byte
-	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	copy(b[:], r.replica)
+	_, _ = rand.Read(b[replicaIDLen:]) // never fails (crypto/rand)
 	return string(b[:])
 }
 
@@ -516,23 +579,34 @@ func (r *Redis) complete(ctx context.Context, k Key, rec *Record, receiveCount i
 // Abandon implements Store. It ends the claim only if this process holds
 // it, by the token Claim kept; with none it does nothing. Like Complete it
 // runs even when the caller has gone: otherwise the key stays blocked for
-// claim_ttl.
+// claim_ttl. When Redis does not answer, the claim is an orphan, which this
+// process ends once Redis answers again (redis_orphans.go); the error is
+// returned all the same.
 func (r *Redis) Abandon(ctx context.Context, k Key) error {
 	tok := r.takeToken(k)
 	if tok.token == "" {
 		return nil
 	}
-	return r.abandon(context.WithoutCancel(ctx), k, tok.token)
+	if _, err := r.abandon(context.WithoutCancel(ctx), k, tok.token); err != nil {
+		// Nothing reached the encoder under it (that is why it is
+		// abandoned), and it lapses by tok.expires.
+		r.addOrphan(k, tok.token, tok.expires, "abandon", err)
+		return err
+	}
+	return nil
 }
 
-func (r *Redis) abandon(ctx context.Context, k Key, tok string) error {
+// abandon runs the abandon script once; found reports whether a claim held
+// tok (and was ended).
+func (r *Redis) abandon(ctx context.Context, k Key, tok string) (found bool, err error) {
 	ks := r.keys(k)
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
-	if err := abandonScript.Run(octx, r.c, []string{ks.claim, ks.claims}, tok, ks.done, k.Dest).Err(); err != nil {
-		return r.fail(ctx, "abandon", err)
+	n, err := abandonScript.Run(octx, r.c, []string{ks.claim, ks.claims}, tok, ks.done, k.Dest).Int64()
+	if err != nil {
+		return false, r.fail(ctx, "abandon", err)
 	}
-	return nil
+	return n == 1, nil
 }
 
 // Await implements Store: it returns when k has a record (ok), when no
@@ -692,33 +766,6 @@ func (r *Redis) keepToken(k Key, tok string) {
 		r.nextPrune = now.Add(r.claimTTL)
 	}
 	r.tokens[k] = claimToken{token: tok, expires: now.Add(r.claimTTL)}
-}
-
-// cleanup ends, in the background, a claim that a failed Claim may have
-// made. Close waits for it.
-func (r *Redis) cleanup(k Key, tok string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.closed {
-		return
-	}
-	r.bg.Add(1)
-	go func() {
-		defer r.bg.Done()
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go func() {
-			select {
-			case <-r.done:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		if err := r.abandon(ctx, k, tok); err != nil {
-			r.log.Debug("ending a claim whose Claim failed; it expires with idempotency.claim_ttl",
-				zap.String("req_id", k.ReqID), zap.String("destination", k.Dest), zap.Error(err))
-		}
-	}()
 }
 
 // takeToken forgets and returns this process's claim on k (a zero

@@ -139,7 +139,7 @@ func (r *Redis) holdCompletion(k Key, tok claimToken, rec *Record, receiveCount 
 	if tok.token == "" {
 		// No claim of ours to extend (pruned, or a Complete without Claim):
 		// hold it with a new one from the first retry.
-		tok = claimToken{token: newToken(), expires: now}
+		tok = claimToken{token: r.newToken(), expires: now}
 	}
 	p := &pendingComplete{rec: rec, receiveCount: receiveCount, claim: claimValue(tok.token, rec.FP),
 		since: now, heldUntil: tok.expires}

@@ -32,6 +32,8 @@ type redisOpts struct {
 	ttl, claimTTL, poll time.Duration
 	maxDests            int    // 0: the default
 	passwordFile        string // redis.password_file
+	addr                string // "": the server's own (else a proxy in front of it)
+	clk                 clock.Clock
 }
 
 // newRedisStore returns a store (a "replica") on srv. By default waiters
@@ -49,11 +51,17 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	}
 	cfg := redisclient.Default()
 	cfg.Addr = srv.Addr()
+	if o.addr != "" {
+		cfg.Addr = o.addr
+	}
+	if o.clk == nil {
+		o.clk = clock.Real{}
+	}
 	cfg.KeyPrefix = "t:"
 	cfg.PoolSize = 16
 	cfg.PollInterval = configfile.Duration(o.poll)
 	cfg.PasswordFile = o.passwordFile
-	r, err := NewRedis(newClient(t, cfg), cfg, o.ttl, o.claimTTL, o.maxDests, clock.Real{}, zap.NewNop())
+	r, err := NewRedis(newClient(t, cfg), cfg, o.ttl, o.claimTTL, o.maxDests, 0, o.clk, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -608,7 +616,7 @@ func TestRedisNeverReachable(t *testing.T) {
 	srv.Kill()
 	cfg := redisclient.Default()
 	cfg.Addr = addr
-	r, err := NewRedis(newClient(t, cfg), cfg, time.Minute, time.Minute, 0, nil, nil)
+	r, err := NewRedis(newClient(t, cfg), cfg, time.Minute, time.Minute, 0, 0, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -623,13 +631,13 @@ func TestRedisNeverReachable(t *testing.T) {
 func TestNewRedisRejectsBadArguments(t *testing.T) {
 	cfg := redisclient.Default()
 	c := newClient(t, cfg)
-	if _, err := NewRedis(c, cfg, 0, time.Minute, 0, nil, nil); err == nil {
+	if _, err := NewRedis(c, cfg, 0, time.Minute, 0, 0, nil, nil); err == nil {
 		t.Error("ttl 0 accepted")
 	}
-	if _, err := NewRedis(c, cfg, time.Minute, time.Microsecond, 0, nil, nil); err == nil {
+	if _, err := NewRedis(c, cfg, time.Minute, time.Microsecond, 0, 0, nil, nil); err == nil {
 		t.Error("claim_ttl under 1ms accepted")
 	}
-	if _, err := NewRedis(nil, cfg, time.Minute, time.Minute, 0, nil, nil); err == nil {
+	if _, err := NewRedis(nil, cfg, time.Minute, time.Minute, 0, 0, nil, nil); err == nil {
 		t.Error("no client accepted")
 	}
 }

@@ -380,7 +380,7 @@ func (s *Sends) complete(ctx context.Context, req Send, rec *Record) bool {
 func (s *Sends) abandon(ctx context.Context, k Key) {
 	if err := s.store.Abandon(ctx, k); err != nil {
 		s.m.storeErrors.WithLabelValues("abandon").Inc()
-		s.log.Warn("abandoning a /send claim failed; it expires with idempotency.claim_ttl",
+		s.log.Warn("abandoning a /send claim failed; the store ends it once it answers again (at the latest it expires with idempotency.claim_ttl)",
 			zap.String("req_id", k.ReqID), zap.String("destination", k.Dest), zap.Error(err))
 	}
 }
