@@ -38,7 +38,7 @@ type sources struct {
 func (s *Server) newSources(cfg Config) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
-		store := discovery.NewMemoryStore()
+		store := discovery.NewMemoryStore(s.clk)
 		if cfg.Idempotency.Store == "redis" {
 			kv, err := cfg.Idempotency.Redis.Client(4)
 			if err != nil {
