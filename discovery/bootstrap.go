@@ -24,12 +24,15 @@ type BootstrapConfig struct {
 	Listen string `yaml:"listen"`
 	// MaxEncoders bounds the registered encoders (default 1024), so that
 	// callers cannot grow what the gateway holds and health-checks without
-	// limit; past it a new URL gets a 503 with Retry-After.
+	// limit; past it a new URL gets a 503 with Retry-After. It bounds the
+	// unregistration tombstones too.
 	MaxEncoders int `yaml:"max_encoders"`
-	// TTL is how long a registration lives without a refresh (default 60s).
-	// The gateway refreshes registered encoders that pass health checks, so
-	// only one that stopped answering them (crashed without unregistering)
-	// leaves this long after.
+	// TTL is how long a registration lives without a refresh (default 60s),
+	// by the store's clock (Redis's, with the Redis store). The gateway
+	// refreshes registered encoders that pass health checks, so only one
+	// that stopped answering them (crashed without unregistering) leaves
+	// this long after. An unregistration's tombstone, which keeps replicas
+	// from writing the URL back, lives as long.
 	TTL configfile.Duration `yaml:"ttl"`
 	// MaxBodyBytes bounds a registration's body (default 4KiB; a real one
 	// is under 100 bytes). The server that serves Handler should use it as

@@ -78,7 +78,7 @@ func bsMemRegistry(max int) *Registry {
 	cfg := DefaultBootstrap()
 	cfg.MaxEncoders = max
 	cfg.MaxBodyBytes = 256
-	return NewRegistry(cfg, NewMemoryStore(), clock.Real{}, zap.NewNop())
+	return NewRegistry(cfg, NewMemoryStore(clock.Real{}), clock.Real{}, zap.NewNop())
 }
 
 func TestBootstrapHandlerStatuses(t *testing.T) {
@@ -159,7 +159,7 @@ func TestBootstrapHandlerStatuses(t *testing.T) {
 func TestBootstrapHandlerDepth(t *testing.T) {
 	cfg := DefaultBootstrap()
 	cfg.MaxBodyBytes = 64 << 10
-	reg := NewRegistry(cfg, NewMemoryStore(), clock.Real{}, zap.NewNop())
+	reg := NewRegistry(cfg, NewMemoryStore(clock.Real{}), clock.Real{}, zap.NewNop())
 	base := serveBootstrap(t, reg, zap.NewNop())
 	a := bsCall(t, "POST", base+"/register_encoder_url", `{"url":`+strings.Repeat("[", 10000))
 	if a.status != 400 || a.body != bsErrorBody("invalid JSON body: nested too deeply") {
@@ -229,10 +229,12 @@ func TestBootstrapHandlerLogs(t *testing.T) {
 // regFailingStore fails every call, as a store whose backend is down does.
 type regFailingStore struct{ err error }
 
-func (f regFailingStore) Add(context.Context, string, time.Time, time.Time, int) error { return f.err }
-func (f regFailingStore) Extend(context.Context, []string, time.Time, time.Time) error { return f.err }
-func (f regFailingStore) Remove(context.Context, string) error                         { return f.err }
-func (f regFailingStore) List(context.Context, time.Time) ([]string, error)            { return nil, f.err }
+func (f regFailingStore) Add(context.Context, string, time.Duration, int) error { return f.err }
+func (f regFailingStore) Refresh(context.Context, []string, time.Duration, int) ([]RefreshOutcome, error) {
+	return nil, f.err
+}
+func (f regFailingStore) Remove(context.Context, string, time.Duration, int) error { return f.err }
+func (f regFailingStore) List(context.Context) (Listing, error)                    { return Listing{}, f.err }
 
 func TestBootstrapStoreUnavailable(t *testing.T) {
 	cfg := DefaultBootstrap()

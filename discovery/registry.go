@@ -154,81 +154,175 @@ func normaliseEncoderHost(u *url.URL) (host, problem string) {
 }
 
 // Store is where registrations live: in memory (one replica) or Redis
-// (shared by replicas, so that they all see the same encoders). Every
-// method takes the time from its caller, the Registry's clock, so that one
-// clock decides expiry in both stores; a URL is unexpired while its expiry
-// is after now.
+// (shared by replicas, so that they all see the same encoders). The store's
+// own clock decides expiry, never the caller's: the memory store's injected
+// clock, or Redis's (TIME, read inside its scripts), so that replicas whose
+// clocks disagree still agree on what is registered. Times go in as TTLs
+// and come out as time left.
+//
+// A URL is live (registered, until its expiry), unregistered (a tombstone,
+// until its own expiry) or unknown. The tombstone is what lets a replica
+// re-assert the registrations a store lost (a Redis restarted empty) without
+// bringing back one that an encoder took back meanwhile on another replica.
 type Store interface {
-	// Add stores url until expires, or moves its expiry to expires when it
-	// is stored already. It first drops expired URLs, then returns ErrFull
-	// when url is new and max unexpired URLs are stored. The check and the
-	// add are one step, so two replicas cannot both pass the bound.
-	Add(ctx context.Context, url string, now, expires time.Time, max int) error
-	// Extend moves the expiry of those urls that are stored and unexpired
-	// at now to expires, and leaves the others alone, so that a refresh
-	// racing an unregistration (perhaps on another replica) does not bring
-	// the URL back.
-	Extend(ctx context.Context, urls []string, now, expires time.Time) error
-	// Remove forgets url; an unknown url is not an error.
-	Remove(ctx context.Context, url string) error
-	// List returns the URLs unexpired at now, sorted.
-	List(ctx context.Context, now time.Time) ([]string, error)
+	// Add registers url for ttl, or moves its expiry to now+ttl when it is
+	// live already, and clears its tombstone. A url that is not live is
+	// refused with ErrFull while max URLs are live. The check and the add
+	// are one step, so two replicas cannot both pass the bound.
+	Add(ctx context.Context, url string, ttl time.Duration, max int) error
+	// Refresh moves the expiry of each of urls that is live to now+ttl
+	// (RefreshExtended) and stores again, for ttl, each that the store
+	// lacks (RefreshReasserted), unless it has a tombstone
+	// (RefreshUnregistered) or max URLs are live (RefreshFull). Each URL is
+	// checked and written in one step with the others, so a refresh racing
+	// an unregistration on another replica cannot bring the URL back.
+	// It returns one outcome per url, in order.
+	Refresh(ctx context.Context, urls []string, ttl time.Duration, max int) ([]RefreshOutcome, error)
+	// Remove unregisters url: it is no longer live, and a tombstone keeps
+	// it out of every Refresh for ttl, whether or not it was live (the
+	// store may have lost it). At most max tombstones are kept: past that a
+	// new one replaces the one that would expire first.
+	Remove(ctx context.Context, url string, ttl time.Duration, max int) error
+	// List returns the live URLs, each with its time left, and the URLs
+	// with a tombstone.
+	List(ctx context.Context) (Listing, error)
+}
+
+// RefreshOutcome is what Store.Refresh did with one URL.
+type RefreshOutcome uint8
+
+const (
+	// RefreshExtended: the URL was live; its expiry is now+ttl.
+	RefreshExtended RefreshOutcome = iota
+	// RefreshReasserted: the store lacked the URL (never had it, lost it,
+	// or it had expired); it is stored again for ttl.
+	RefreshReasserted
+	// RefreshUnregistered: the URL has a tombstone; it stays out.
+	RefreshUnregistered
+	// RefreshFull: the store lacked the URL and max URLs are live; it stays out.
+	RefreshFull
+)
+
+// Listing is what Store.List returns.
+type Listing struct {
+	Live []Lease  // the live URLs, sorted by URL
+	Gone []string // the URLs with a tombstone (unregistered), sorted
+}
+
+// Lease is one live registration: its URL and how long it has left by the
+// store's clock.
+type Lease struct {
+	URL  string
+	Left time.Duration
 }
 
 // NewMemoryStore returns a Store that keeps registrations in this process,
-// for a gateway without replicas.
-func NewMemoryStore() Store { return &memoryStore{urls: make(map[string]time.Time)} }
+// for a gateway without replicas; clk decides expiry.
+func NewMemoryStore(clk clock.Clock) Store {
+	return &memoryStore{clk: clk, live: make(map[string]time.Time), gone: make(map[string]time.Time)}
+}
 
 // memoryStore is the in-process Store.
 type memoryStore struct {
-	mu   sync.Mutex           // protects urls
-	urls map[string]time.Time // url -> expiry
+	clk  clock.Clock
+	mu   sync.Mutex           // protects live and gone
+	live map[string]time.Time // url -> expiry
+	gone map[string]time.Time // url -> its tombstone's expiry
 }
 
-func (m *memoryStore) Add(_ context.Context, url string, now, expires time.Time, max int) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for u, exp := range m.urls {
+// sweep drops expired registrations and tombstones; m.mu is held.
+func (m *memoryStore) sweep(now time.Time) {
+	for u, exp := range m.live {
 		if !exp.After(now) {
-			delete(m.urls, u)
+			delete(m.live, u)
 		}
 	}
-	if _, ok := m.urls[url]; !ok && len(m.urls) >= max {
+	for u, exp := range m.gone {
+		if !exp.After(now) {
+			delete(m.gone, u)
+		}
+	}
+}
+
+func (m *memoryStore) Add(_ context.Context, url string, ttl time.Duration, max int) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.clk.Now()
+	m.sweep(now)
+	if _, ok := m.live[url]; !ok && len(m.live) >= max {
 		return ErrFull
 	}
-	m.urls[url] = expires
+	delete(m.gone, url)
+	m.live[url] = now.Add(ttl)
 	return nil
 }
 
-func (m *memoryStore) Extend(_ context.Context, urls []string, now, expires time.Time) error {
+func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duration, max int) ([]RefreshOutcome, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for _, u := range urls {
-		if exp, ok := m.urls[u]; ok && exp.After(now) && expires.After(exp) {
-			m.urls[u] = expires
+	now := m.clk.Now()
+	m.sweep(now)
+	exp := now.Add(ttl)
+	out := make([]RefreshOutcome, len(urls))
+	for i, u := range urls {
+		if _, ok := m.gone[u]; ok {
+			out[i] = RefreshUnregistered
+			continue
 		}
-	}
-	return nil
-}
-
-func (m *memoryStore) Remove(_ context.Context, url string) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	delete(m.urls, url)
-	return nil
-}
-
-func (m *memoryStore) List(_ context.Context, now time.Time) ([]string, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	out := make([]string, 0, len(m.urls))
-	for u, exp := range m.urls {
-		if exp.After(now) {
-			out = append(out, u)
+		if cur, ok := m.live[u]; ok {
+			if cur.Before(exp) {
+				m.live[u] = exp
+			}
+			out[i] = RefreshExtended
+			continue
 		}
+		if len(m.live) >= max {
+			out[i] = RefreshFull
+			continue
+		}
+		m.live[u] = exp
+		out[i] = RefreshReasserted
 	}
-	sort.Strings(out)
 	return out, nil
+}
+
+func (m *memoryStore) Remove(_ context.Context, url string, ttl time.Duration, max int) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.clk.Now()
+	m.sweep(now)
+	delete(m.live, url)
+	if _, ok := m.gone[url]; !ok && len(m.gone) >= max {
+		first := ""
+		for u, exp := range m.gone {
+			if first == "" || exp.Before(m.gone[first]) {
+				first = u
+			}
+		}
+		delete(m.gone, first)
+	}
+	m.gone[url] = now.Add(ttl)
+	return nil
+}
+
+func (m *memoryStore) List(context.Context) (Listing, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.clk.Now()
+	var l Listing
+	for u, exp := range m.live {
+		if exp.After(now) {
+			l.Live = append(l.Live, Lease{URL: u, Left: exp.Sub(now)})
+		}
+	}
+	for u, exp := range m.gone {
+		if exp.After(now) {
+			l.Gone = append(l.Gone, u)
+		}
+	}
+	sort.Slice(l.Live, func(i, j int) bool { return l.Live[i].URL < l.Live[j].URL })
+	sort.Strings(l.Gone)
+	return l, nil
 }
 
 // Registry is the set of encoder URLs registered through the bootstrap API,
@@ -239,30 +333,48 @@ func (m *memoryStore) List(_ context.Context, now time.Time) ([]string, error) {
 // else would ever remove an encoder that crashes or is killed: the gateway
 // therefore calls Refresh for the registered encoders that pass its health
 // checks, and one that crashed without unregistering leaves the set TTL
-// after it stopped answering them. Both stores apply the TTL
-// (expires = now + TTL).
+// after it stopped answering them. The store's clock decides expiry.
+//
+// Since an encoder registers only once, the Registry does not trust the
+// store to keep what it was told: it keeps its own view of the
+// registrations it has seen, each with the end of its registration as last
+// known, and Refresh re-asserts those of them that the store lacks (a Redis
+// that restarted empty). A registration leaves the view when it is
+// unregistered (on any replica: the store's tombstone says so), or when
+// the store no longer holds it live and its last known end has passed.
+// The end is kept on the Registry's clock as a duration from when the store
+// said how long it had left, so only the clock's rate matters, not its
+// reading.
 type Registry struct {
 	cfg   BootstrapConfig
 	store Store
 	clk   clock.Clock
 	log   *zap.Logger
 	// changed is signalled (never blocking; capacity 1) after a local
-	// Register or Unregister, so Run recomputes the set at once instead
-	// of at its next poll.
+	// Register or Unregister, or when Refresh learns of an unregistration,
+	// so Run recomputes the set at once instead of at its next poll.
 	changed chan struct{}
+
+	mu sync.Mutex // protects view
+	// view is the registrations this replica serves: URL -> when it ends,
+	// as last known, on clk; at most the store's bound plus those it lost.
+	view map[string]time.Time
 }
 
 // NewRegistry returns a Registry over store. cfg supplies MaxEncoders and
-// TTL; clk decides expiry; log receives Run's store problems.
+// TTL (of registrations and of tombstones); clk measures how long a
+// registration has left and times Run; log receives Run's and Refresh's
+// store problems.
 func NewRegistry(cfg BootstrapConfig, store Store, clk clock.Clock, log *zap.Logger) *Registry {
-	return &Registry{cfg: cfg, store: store, clk: clk, log: log, changed: make(chan struct{}, 1)}
+	return &Registry{cfg: cfg, store: store, clk: clk, log: log,
+		changed: make(chan struct{}, 1), view: make(map[string]time.Time)}
 }
 
 // Register validates rawURL and stores its normalised form for TTL.
 // Re-registering a URL that is stored already refreshes it and does not
-// count against the bound; a new one beyond MaxEncoders gets ErrFull. An
-// invalid URL gets an error matching ErrInvalidURL; any other error is the
-// store's.
+// count against the bound; a new one beyond MaxEncoders gets ErrFull. A
+// URL that was unregistered can register again at once. An invalid URL gets
+// an error matching ErrInvalidURL; any other error is the store's.
 func (r *Registry) Register(ctx context.Context, rawURL string) error {
 	_, err := r.register(ctx, rawURL)
 	return err
@@ -274,20 +386,24 @@ func (r *Registry) register(ctx context.Context, rawURL string) (string, error) 
 	if err != nil {
 		return "", err
 	}
-	now := r.clk.Now()
-	if err := r.store.Add(ctx, u, now, now.Add(r.cfg.TTL.D()), r.cfg.MaxEncoders); err != nil {
+	start := r.clk.Now()
+	if err := r.store.Add(ctx, u, r.cfg.TTL.D(), r.cfg.MaxEncoders); err != nil {
 		if errors.Is(err, ErrFull) {
 			return u, fmt.Errorf("%w (%d); one can register once another unregisters or expires", ErrFull, r.cfg.MaxEncoders)
 		}
 		return u, err
 	}
+	r.mu.Lock()
+	r.view[u] = start.Add(r.cfg.TTL.D())
+	r.mu.Unlock()
 	r.signal()
 	return u, nil
 }
 
-// Unregister removes rawURL (normalised as Register does). A URL that is not
-// registered is fine: sglang unregisters at exit whether or not it ever got
-// in, and a second replica may have removed it already.
+// Unregister removes rawURL (normalised as Register does) and leaves a
+// tombstone for TTL, so that no replica re-asserts it meanwhile. A URL that
+// is not registered is fine: sglang unregisters at exit whether or not it
+// ever got in, and a second replica may have removed it already.
 func (r *Registry) Unregister(ctx context.Context, rawURL string) error {
 	_, err := r.unregister(ctx, rawURL)
 	return err
@@ -299,56 +415,152 @@ func (r *Registry) unregister(ctx context.Context, rawURL string) (string, error
 	if err != nil {
 		return "", err
 	}
-	if err := r.store.Remove(ctx, u); err != nil {
+	if err := r.store.Remove(ctx, u, r.cfg.TTL.D(), r.cfg.MaxEncoders); err != nil {
 		return u, err
 	}
+	r.mu.Lock()
+	delete(r.view, u)
+	r.mu.Unlock()
 	r.signal()
 	return u, nil
 }
 
-// Refresh extends the TTL of those of urls that are registered and
-// unexpired; the others (never registered, unregistered meanwhile, or
-// invalid) are skipped, so a health check that passed just before an
-// encoder unregistered cannot bring it back. The gateway calls it with the
-// Member URLs of registered encoders that pass health checks.
+// Refresh extends the registrations of those of urls that this replica
+// serves: the ones in its view whose last known end has not passed. The
+// gateway calls it with the Member URLs of registered encoders that pass
+// health checks. One the store lacks (a Redis restarted empty) is stored
+// again, unless it was unregistered meanwhile (its tombstone, checked in
+// the same step), so a health check that passed just before an encoder
+// unregistered cannot bring it back. URLs this replica never saw, or saw
+// end, are skipped: a replica does not invent registrations.
+//
+// When the store cannot be reached the ends of urls move on as if the
+// refresh had worked, so that an outage longer than the TTL does not drop
+// healthy encoders; they are re-asserted once the store is back.
 func (r *Registry) Refresh(ctx context.Context, urls []string) error {
-	norm := make([]string, 0, len(urls))
+	ttl := r.cfg.TTL.D()
+	start := r.clk.Now()
+	held := make([]string, 0, len(urls))
+	seen := make(map[string]bool, len(urls))
+	r.mu.Lock()
 	for _, raw := range urls {
-		if u, _, err := ParseEncoderURL(raw); err == nil {
-			norm = append(norm, u)
+		u, _, err := ParseEncoderURL(raw)
+		if err != nil || seen[u] {
+			continue
+		}
+		seen[u] = true
+		if end, ok := r.view[u]; ok && start.Before(end) {
+			held = append(held, u)
 		}
 	}
-	if len(norm) == 0 {
+	r.mu.Unlock()
+	if len(held) == 0 {
 		return nil
 	}
-	now := r.clk.Now()
-	return r.store.Extend(ctx, norm, now, now.Add(r.cfg.TTL.D()))
+	outs, err := r.store.Refresh(ctx, held, ttl, r.cfg.MaxEncoders)
+	if err == nil && len(outs) != len(held) {
+		err = fmt.Errorf("store answered %d outcomes for %d urls", len(outs), len(held))
+	}
+	end := start.Add(ttl)
+	var back, full, gone []string
+	r.mu.Lock()
+	for i, u := range held {
+		cur, ok := r.view[u]
+		if !ok { // unregistered here meanwhile
+			continue
+		}
+		switch {
+		case err != nil:
+			if cur.Before(end) {
+				r.view[u] = end
+			}
+		case outs[i] == RefreshUnregistered:
+			delete(r.view, u)
+			gone = append(gone, u)
+		case outs[i] == RefreshFull:
+			full = append(full, u)
+		default:
+			if outs[i] == RefreshReasserted {
+				back = append(back, u)
+			}
+			r.view[u] = end
+		}
+	}
+	r.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if len(back) > 0 {
+		r.log.Info("re-asserted registrations the store lacked", zap.Strings("urls", back))
+	}
+	if len(full) > 0 {
+		r.log.Warn("cannot re-assert registrations the store lacks: bootstrap.max_encoders are registered",
+			zap.Strings("urls", full), zap.Int("max_encoders", r.cfg.MaxEncoders))
+	}
+	if len(gone) > 0 {
+		r.signal()
+	}
+	return nil
 }
 
-// Members returns the unexpired registrations as Members with Source
-// "registered", sorted by Name. A stored URL that does not parse (only
+// Members reads the store and returns this replica's view of the
+// registrations as Members with Source "registered", sorted by Name: the
+// live ones, and those it saw that the store lacks but whose last known end
+// has not passed (Refresh re-asserts them while they pass health checks).
+// Unregistered ones leave at once. A stored URL that does not parse (only
 // possible when something else wrote the Redis key) is left out.
 func (r *Registry) Members(ctx context.Context) ([]Member, error) {
-	urls, err := r.store.List(ctx, r.clk.Now())
+	urls, err := r.read(ctx)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]Member, 0, len(urls))
-	for _, raw := range urls {
-		u, name, err := ParseEncoderURL(raw)
-		if err != nil || u != raw {
-			continue
-		}
+	for _, u := range urls {
+		_, name, _ := ParseEncoderURL(u)
 		out = append(out, Member{Name: name, URL: u, Source: SourceRegistered})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
 }
 
-// listURLs returns the unexpired registered URLs, sorted, for
-// /list_encoder_urls.
+// read lists the store, merges it into the view and returns the view's
+// URLs, sorted.
+func (r *Registry) read(ctx context.Context) ([]string, error) {
+	start := r.clk.Now()
+	l, err := r.store.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	now := r.clk.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	live := make(map[string]bool, len(l.Live))
+	for _, e := range l.Live {
+		if u, _, err := ParseEncoderURL(e.URL); err != nil || u != e.URL {
+			continue
+		}
+		live[e.URL] = true
+		r.view[e.URL] = start.Add(e.Left)
+	}
+	for _, u := range l.Gone {
+		delete(r.view, u)
+	}
+	urls := make([]string, 0, len(r.view))
+	for u, end := range r.view {
+		if !live[u] && !now.Before(end) {
+			delete(r.view, u)
+			continue
+		}
+		urls = append(urls, u)
+	}
+	sort.Strings(urls)
+	return urls, nil
+}
+
+// listURLs returns the view's URLs, sorted, for /list_encoder_urls: the
+// fleet this replica serves, as Members does.
 func (r *Registry) listURLs(ctx context.Context) ([]string, error) {
-	return r.store.List(ctx, r.clk.Now())
+	return r.read(ctx)
 }
 
 func (r *Registry) signal() {
@@ -361,9 +573,11 @@ func (r *Registry) signal() {
 // Run reads the members every interval and calls update with them whenever
 // the set changed, and once when it first reads them, until ctx ends. Polling
 // is what makes replicas sharing Redis converge on one set, and what makes
-// expired registrations leave (at the first poll after they expire). A
-// local Register or Unregister wakes Run at once (a channel signal, not
-// polling), so this replica's own changes show without waiting for a poll.
+// expired registrations leave (at the first poll after they expire) and
+// unregistrations on other replicas leave (at the first poll after). A
+// local Register or Unregister, or an unregistration Refresh learns of,
+// wakes Run at once (a channel signal, not polling), so these changes show
+// without waiting for a poll.
 //
 // While the store cannot be read (Redis down) update is not called: the
 // last set stands, rather than every registered encoder vanishing during a

@@ -200,12 +200,12 @@ func regTestBound(t *testing.T, a, b *Registry) {
 }
 
 func TestRegistryBound(t *testing.T) {
-	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(), clock.Real{}, zap.NewNop())
+	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(clock.Real{}), clock.Real{}, zap.NewNop())
 	regTestBound(t, r, r)
 }
 
 func TestRegistryInvalidAndUnknown(t *testing.T) {
-	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(), clock.Real{}, zap.NewNop())
+	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(clock.Real{}), clock.Real{}, zap.NewNop())
 	ctx := context.Background()
 	if err := r.Register(ctx, "ftp://x:1"); !errors.Is(err, ErrInvalidURL) {
 		t.Fatalf("register ftp: %v", err)
@@ -266,7 +266,7 @@ func regTestTTL(t *testing.T, r *Registry, clk *clock.Fake, ttl time.Duration) {
 
 func TestRegistryTTL(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(), clk, zap.NewNop())
+	r := NewRegistry(regConfig(2, time.Minute), NewMemoryStore(clk), clk, zap.NewNop())
 	regTestTTL(t, r, clk, time.Minute)
 }
 
@@ -274,7 +274,7 @@ func TestRegistryTTL(t *testing.T) {
 // slot of the bound.
 func TestRegistryExpiredFreesSlot(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	r := NewRegistry(regConfig(1, time.Minute), NewMemoryStore(), clk, zap.NewNop())
+	r := NewRegistry(regConfig(1, time.Minute), NewMemoryStore(clk), clk, zap.NewNop())
 	ctx := context.Background()
 	if err := r.Register(ctx, "http://a:1"); err != nil {
 		t.Fatal(err)
@@ -367,7 +367,7 @@ func regRun(t *testing.T, r *Registry, interval time.Duration) regUpdates {
 // after a registration expires.
 func TestRegistryRunMemory(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	r := NewRegistry(regConfig(4, time.Minute), NewMemoryStore(), clk, zap.NewNop())
+	r := NewRegistry(regConfig(4, time.Minute), NewMemoryStore(clk), clk, zap.NewNop())
 	ctx := context.Background()
 	u := regRun(t, r, 10*time.Second)
 	if got := u.next(t); len(got) != 0 {
@@ -428,7 +428,7 @@ func TestRegistryRunMemory(t *testing.T) {
 // last set stands), and reports the set once it can read it.
 func TestRegistryRunStoreDown(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	st := &regFlakyStore{Store: NewMemoryStore()}
+	st := &regFlakyStore{Store: NewMemoryStore(clk)}
 	st.fail(true)
 	r := NewRegistry(regConfig(4, time.Minute), st, clk, zap.NewNop())
 	u := regRun(t, r, time.Second)
@@ -464,14 +464,14 @@ func (f *regFlakyStore) fail(on bool) {
 	f.failing = on
 }
 
-func (f *regFlakyStore) List(ctx context.Context, now time.Time) ([]string, error) {
+func (f *regFlakyStore) List(ctx context.Context) (Listing, error) {
 	f.mu.Lock()
 	failing := f.failing
 	f.mu.Unlock()
 	if failing {
-		return nil, errors.New("down")
+		return Listing{}, errors.New("down")
 	}
-	return f.Store.List(ctx, now)
+	return f.Store.List(ctx)
 }
 
 // regRedis returns a registry (a "replica") over srv under prefix.
@@ -577,28 +577,137 @@ func TestRegistryRedisBoundConcurrent(t *testing.T) {
 	}
 }
 
-// TestRegistryRedisTTL: the TTL applies in Redis as in memory, on the
-// registry's clock; the key itself expires a while after its last member.
+// TestRegistryRedisTTL: in Redis the TTL runs on Redis's clock, whatever
+// the registry's (a fake one here, an hour behind): a registration's expiry
+// is Redis's now plus the TTL, a refresh moves it, an unregistration leaves
+// a tombstone for the TTL, bounded in number, that a new registration
+// clears; members expired by Redis's clock neither list nor count.
 func TestRegistryRedisTTL(t *testing.T) {
 	srv := redistest.Start(t)
-	clk := clock.NewFake(time.Now())
-	r := regRedis(t, srv, "t:", regConfig(2, time.Minute), clk)
-	regTestTTL(t, r, clk, time.Minute)
-	raw := redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true})
-	t.Cleanup(func() { _ = raw.Close() })
-	// The last unregistration removed the key with its last member.
-	if n, err := raw.Exists(context.Background(), "t:bootstrap:encoders").Result(); err != nil || n != 0 {
-		t.Fatalf("empty key exists: %d %v", n, err)
-	}
-	if err := r.Register(context.Background(), "http://e:1"); err != nil {
+	const ttl = time.Minute
+	clk := clock.NewFake(time.Now().Add(-time.Hour))
+	r := regRedis(t, srv, "t:", regConfig(2, ttl), clk)
+	raw := regRaw(t, srv)
+	ctx := context.Background()
+	const key = "t:bootstrap:encoders"
+	t0 := regRedisNow(t, raw)
+	if err := r.Register(ctx, "http://a:1"); err != nil {
 		t.Fatal(err)
 	}
-	ttl, err := raw.PTTL(context.Background(), "t:bootstrap:encoders").Result()
+	t1 := regRedisNow(t, raw)
+	regScoreIn(t, raw, key, "http://a:1", t0+ttl.Milliseconds(), t1+ttl.Milliseconds())
+	if err := r.Refresh(ctx, []string{"http://a:1"}); err != nil {
+		t.Fatal(err)
+	}
+	t2 := regRedisNow(t, raw)
+	regScoreIn(t, raw, key, "http://a:1", t1+ttl.Milliseconds(), t2+ttl.Milliseconds())
+	pttl, err := raw.PTTL(ctx, key).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ttl <= 0 || ttl > time.Minute+registryKeyGrace {
-		t.Fatalf("key PTTL %v, want in (0, %v]", ttl, time.Minute+registryKeyGrace)
+	if pttl <= 0 || pttl > ttl+registryKeyGrace {
+		t.Fatalf("key PTTL %v, want in (0, %v]", pttl, ttl+registryKeyGrace)
+	}
+
+	// An unregistration leaves a tombstone: the negated expiry.
+	if err := r.Unregister(ctx, "http://a:1"); err != nil {
+		t.Fatal(err)
+	}
+	t3 := regRedisNow(t, raw)
+	regScoreIn(t, raw, key, "http://a:1", -(t3 + ttl.Milliseconds()), -(t2 + ttl.Milliseconds()))
+	if got := regMembers(t, r); len(got) != 0 {
+		t.Fatalf("members after unregister: %v", got)
+	}
+	// At most max (2) tombstones: a third replaces the one expiring first.
+	// (Each a millisecond of Redis's clock after the last, so that their
+	// expiries differ.)
+	for _, u := range []string{"http://b:1", "http://c:1"} {
+		regNextMilli(t, raw)
+		if err := r.Unregister(ctx, u); err != nil {
+			t.Fatal(err)
+		}
+	}
+	gone, err := raw.ZRangeByScore(ctx, key, &redis.ZRangeBy{Min: "-inf", Max: "(0"}).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regSame(gone, "http://c:1", "http://b:1") {
+		t.Fatalf("tombstones %v, want c and b (a's expires first)", gone)
+	}
+	// A new registration clears the tombstone.
+	if err := r.Register(ctx, "http://b:1"); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := raw.ZScore(ctx, key, "http://b:1").Result(); err != nil || s <= 0 {
+		t.Fatalf("b after registering again: %v %v", s, err)
+	}
+	if got := regMembers(t, r); !regSame(got, "http://b:1") {
+		t.Fatalf("members %v", got)
+	}
+
+	// Members expired by Redis's clock (as an older replica, or a slower
+	// clock, could leave them): not listed, not counted against the bound,
+	// swept by the next write.
+	now := regRedisNow(t, raw)
+	if err := raw.ZAdd(ctx, key, redis.Z{Score: float64(now - 1), Member: "http://old:1"},
+		redis.Z{Score: float64(-(now - 1)), Member: "http://oldgone:1"}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	l, err := NewRedisStore(raw, "t:").List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Live) != 1 || l.Live[0].URL != "http://b:1" || l.Live[0].Left <= 0 || l.Live[0].Left > ttl || !regSame(l.Gone, "http://c:1") {
+		t.Fatalf("listing %+v", l)
+	}
+	if err := r.Register(ctx, "http://d:1"); err != nil {
+		t.Fatalf("second of two with an expired member stored: %v", err)
+	}
+	for _, u := range []string{"http://old:1", "http://oldgone:1"} {
+		if err := raw.ZScore(ctx, key, u).Err(); !errors.Is(err, redis.Nil) {
+			t.Fatalf("%s not swept: %v", u, err)
+		}
+	}
+	if err := r.Register(ctx, "http://e:1"); !errors.Is(err, ErrFull) {
+		t.Fatalf("third: %v, want ErrFull", err)
+	}
+}
+
+// regRaw returns a plain client on srv, to look at the set.
+func regRaw(t *testing.T, srv *redistest.Server) *redis.Client {
+	t.Helper()
+	raw := redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true})
+	t.Cleanup(func() { _ = raw.Close() })
+	return raw
+}
+
+// regRedisNow returns Redis's clock, unix ms.
+func regRedisNow(t *testing.T, raw *redis.Client) int64 {
+	t.Helper()
+	now, err := raw.Time(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return now.UnixMilli()
+}
+
+// regNextMilli returns once Redis's clock has moved on by a millisecond.
+func regNextMilli(t *testing.T, raw *redis.Client) {
+	t.Helper()
+	for start := regRedisNow(t, raw); regRedisNow(t, raw) == start; {
+	}
+}
+
+// regScoreIn fails unless url's score in key is within [lo, hi]: an expiry
+// taken from Redis's clock between two readings of it.
+func regScoreIn(t *testing.T, raw *redis.Client, key, url string, lo, hi int64) {
+	t.Helper()
+	s, err := raw.ZScore(context.Background(), key, url).Result()
+	if err != nil {
+		t.Fatalf("%s: %v", url, err)
+	}
+	if int64(s) < lo || int64(s) > hi {
+		t.Fatalf("%s: score %d, want in [%d, %d] (Redis's clock)", url, int64(s), lo, hi)
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/discovery"
@@ -315,6 +316,75 @@ func TestReplicasShareRegistrationsThroughRedis(t *testing.T) {
 		}
 	}
 	_ = encs
+}
+
+// Two replicas serve a fleet that joined only by registration, each
+// encoder registering once, as sglang's do. Redis restarts empty: both keep
+// serving /encode on it, and re-assert the registrations, so that
+// /list_encoder_urls lists them again and a third replica started after
+// the restart serves them too.
+func TestRegisteredFleetSurvivesARedisRestart(t *testing.T) {
+	rd := redistest.Start(t)
+	redisCfg := func(c *Config) {
+		c.Idempotency.Store = "redis"
+		c.Redis.Addr = rd.Addr()
+		c.Redis.KeyPrefix = "restart:"
+		c.Health.Interval = configfile.Duration(time.Second) // the registry's poll and refresh, too
+		c.Health.Timeout = configfile.Duration(500 * time.Millisecond)
+	}
+	a, b := dynamicGateway(t, redisCfg), dynamicGateway(t, redisCfg)
+	encs := registeredFakes(t, 2, "http://"+a.BootstrapAddr())
+	want := `{"encoder_urls":["` + encs[0].URL() + `","` + encs[1].URL() + `"]}`
+	if encs[1].URL() < encs[0].URL() {
+		want = `{"encoder_urls":["` + encs[1].URL() + `","` + encs[0].URL() + `"]}`
+	}
+	usable := func(g *gw) func() bool {
+		return func() bool {
+			n := 0
+			for _, r := range upstreamRows(t, g) {
+				if r.Source == "registered" && r.Membership == "active" && r.Usable {
+					n++
+				}
+			}
+			return n == 2
+		}
+	}
+	for _, g := range []*gw{a, b} {
+		eventually(t, "both registered encoders usable on "+g.base, usable(g))
+	}
+
+	rd.Restart()
+	// From its first read of the empty Redis on, each replica still lists
+	// what it served (whether or not its refresh has run yet).
+	for _, g := range []*gw{a, b} {
+		var l answer
+		eventually(t, "a list from "+g.base+" once Redis is back", func() bool {
+			l = do(t, http.MethodGet, "http://"+g.BootstrapAddr()+"/list_encoder_urls", "")
+			return l.status == 200
+		})
+		if l.body != want {
+			t.Fatalf("%s lists %s after the restart, want %s", g.base, l.body, want)
+		}
+	}
+	raw := redis.NewClient(&redis.Options{Addr: rd.Addr(), DisableIdentity: true})
+	t.Cleanup(func() { _ = raw.Close() })
+	eventually(t, "both registrations back in Redis", func() bool {
+		n, err := raw.ZCount(context.Background(), "restart:bootstrap:encoders", "(0", "+inf").Result()
+		return err == nil && n == 2
+	})
+	for _, g := range []*gw{a, b} {
+		if !usable(g)() {
+			t.Fatalf("%s: registered encoders not both usable after the restart: %+v", g.base, upstreamRows(t, g))
+		}
+		for i := 0; i < 8; i++ {
+			id := fmt.Sprintf("restart-%d_local_part_0", i)
+			if x := post(t, g.base+"/encode", encodeBody(id)); x.status != 200 {
+				t.Fatalf("/encode %s through %s after the restart: %d %s", id, g.base, x.status, x.body)
+			}
+		}
+	}
+	c := dynamicGateway(t, redisCfg)
+	eventually(t, "a replica started after the restart serving both", usable(c))
 }
 
 // twoLoopbackFakes starts fake encoders on 127.0.0.2 and 127.0.0.3 at one

@@ -37,7 +37,7 @@ type sources struct {
 func (s *Server) newSources(cfg Config) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
-		store := discovery.NewMemoryStore()
+		store := discovery.NewMemoryStore(s.clk)
 		if s.kv != nil {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
 		}
