@@ -35,6 +35,8 @@ func FuzzGatewayConfig(f *testing.F) {
 		"encoders: [{name: a, url: \"http://h:1\"}]\nbreaker: {ignore: [{status: 504, body_contains: \"x\"}], failure_ratio: .nan}\n",
 		"encoders: [{name: a, url: \"http://h:1\"}]\nretry: {metadata: {jitter: 0.25, multiplier: 1e308, max_backoff: 2562047h}}\n",
 		"encoders: [{name: a, url: \"http://h:1\"}]\nidempotency: {store: redis, redis: {addr: \"h:6379\"}}\nlimits: {max_body_bytes: 1KiB}\n",
+		"encoders: [{name: a, url: \"http://h:1\"}]\nidempotency: {store: redis}\nredis: {mode: sentinel, master_name: m, sentinel_addrs: [\"s:26379\", \"s\"], tls: {enabled: true, ca_file: /nope}}\n",
+		"encoders: [{name: a, url: \"http://h:1\"}]\nidempotency: {store: redis}\nredis: {mode: cluster, cluster_addrs: [\"n:1\"], db: 2, master_name: x}\n",
 		"upstream: {max_response_bytes: lots, timeout: 5}\nbogus: 1\n", "encoders: ~\n", "- 1\n", "{", "",
 	} {
 		f.Add([]byte(s))
