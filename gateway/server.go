@@ -117,7 +117,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := pool.Pins.Share(ctx, upstream.NewRedisPins(kv, cfg.Redis.KeyPrefix, cfg.Affinity.PinTTL.D(),
 			cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D(), cfg.Redis.PollInterval.D(), deps.Log.Named("pins"), deps.Registry),
-			deps.Log.Named("pins"))
+			sampled(deps.Log.Named("pins"), clk)) // a Redis outage fails every call: a few lines a second
 		stopPins = func() { cancel(); <-done }
 	}
 	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
