@@ -17,8 +17,8 @@ import (
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
-	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/faultproxy"
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 )
 
