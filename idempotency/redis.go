@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"sort"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -267,34 +266,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 // Key names.
 
 // base is P{E}, the start of every key of reqID (see Redis).
-func (r *Redis) base(reqID string) string { return r.prefix + "{" + escapeTag(reqID) + "}" }
-
-// escapeTag writes '%' as %25 and '}' as %7D, and the empty string as a
-// lone '%' (which no other input yields): an injective encoding whose
-// output holds no '}' and is never empty, so it is always the whole hash
-// tag (Redis hashes the whole key for an empty one). Real req_ids have
-// neither byte and come back unchanged, without an allocation.
-func escapeTag(s string) string {
-	if s == "" {
-		return "%"
-	}
-	if !strings.ContainsAny(s, "%}") {
-		return s
-	}
-	var b strings.Builder
-	b.Grow(len(s) + 8)
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; c {
-		case '%':
-			b.WriteString("%25")
-		case '}':
-			b.WriteString("%7D")
-		default:
-			b.WriteByte(c)
-		}
-	}
-	return b.String()
-}
+func (r *Redis) base(reqID string) string { return r.prefix + "{" + redisclient.EscapeTag(reqID) + "}" }
 
 type redisKeys struct {
 	rec, claim, claims, dests, counted, count, rel, done string

@@ -373,3 +373,33 @@ func (e *RefusedError) Error() string {
 }
 
 func (e *RefusedError) Unwrap() error { return e.Err }
+
+// EscapeTag is a hash tag's content for s, the part of a key between
+// { and } that decides its cluster slot, so that every key of one req_id
+// (its /send records, its pin) shares a slot. It writes '%' as %25 and
+// '}' as %7D, and the empty string as a lone '%' (which no other input
+// yields): an injective encoding whose
+// output holds no '}' and is never empty, so it is always the whole hash
+// tag (Redis hashes the whole key for an empty one). Real req_ids have
+// neither byte and come back unchanged, without an allocation.
+func EscapeTag(s string) string {
+	if s == "" {
+		return "%"
+	}
+	if !strings.ContainsAny(s, "%}") {
+		return s
+	}
+	var b strings.Builder
+	b.Grow(len(s) + 8)
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; c {
+		case '%':
+			b.WriteString("%25")
+		case '}':
+			b.WriteString("%7D")
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}
