@@ -5,13 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/redisclient"
 )
 
 // PinShare is where the replicas of one gateway share their pins, so that
@@ -97,28 +98,10 @@ func registerOrReuse(reg prometheus.Registerer, c *prometheus.CounterVec) *prome
 // Poll implements PinShare.
 func (r *RedisPins) Poll() time.Duration { return r.poll }
 
-// key is P{E}:pin (see idempotency's key names: '%' is %25, '}' is %7D,
-// the empty req_id a lone '%').
+// key is P{E}:pin, E the req_id as redisclient.EscapeTag writes it (as
+// the /send store's keys have it): one hash slot per req_id.
 func (r *RedisPins) key(reqID string) string {
-	var b strings.Builder
-	b.Grow(len(r.prefix) + len(reqID) + 8)
-	b.WriteString(r.prefix)
-	b.WriteByte('{')
-	if reqID == "" {
-		b.WriteByte('%')
-	}
-	for i := 0; i < len(reqID); i++ {
-		switch c := reqID[i]; c {
-		case '%':
-			b.WriteString("%25")
-		case '}':
-			b.WriteString("%7D")
-		default:
-			b.WriteByte(c)
-		}
-	}
-	b.WriteString("}:pin")
-	return b.String()
+	return r.prefix + "{" + redisclient.EscapeTag(reqID) + "}:pin"
 }
 
 // pinScript applies one operation to the pin at KEYS[1] and returns
