@@ -78,10 +78,10 @@ upstream:
   timeout: 5s
 idempotency:
   store: redis
-  redis:
-    addr: %q
-    timeout: 500ms
-    dial_timeout: 500ms
+redis:
+  addr: %q
+  timeout: 500ms
+  dial_timeout: 500ms
 log:
   level: info
 `, encoderURL, redisAddr)
