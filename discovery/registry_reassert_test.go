@@ -288,11 +288,14 @@ func TestRegistryRedisUnregisterStaysOut(t *testing.T) {
 // view while another takes the registration back, at once, many times:
 // the unregistration always wins, whichever runs first.
 func TestRegistryRedisRefreshRacesUnregister(t *testing.T) {
-	srv := redistest.Start(t)
+	testRegistryRefreshRacesUnregister(t, regStartServer(t))
+}
+
+func testRegistryRefreshRacesUnregister(t *testing.T, sh *regShape) {
 	cfg := regConfig(64, time.Minute)
-	a := regRedis(t, srv, "t:", cfg, clock.Real{})
-	b := regRedis(t, srv, "t:", cfg, clock.Real{})
-	raw := regRaw(t, srv)
+	a := regRedisOn(t, sh, "t:", cfg, clock.Real{})
+	b := regRedisOn(t, sh, "t:", cfg, clock.Real{})
+	raw := sh.raw
 	ctx := context.Background()
 	for i := 0; i < 32; i++ {
 		u := fmt.Sprintf("http://e%d:1", i)
@@ -337,15 +340,16 @@ func (c regSkewedClock) NewTimer(d time.Duration) clock.Timer { return clock.Rea
 // the TTL whoever writes them, nobody's registration is swept as expired by
 // a replica ahead or kept by one behind, and a short registration ends for
 // every replica once Redis's clock passes it.
-func TestRegistryRedisClockSkew(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRegistryRedisClockSkew(t *testing.T) { testRegistryClockSkew(t, regStartServer(t)) }
+
+func testRegistryClockSkew(t *testing.T, sh *regShape) {
 	const ttl = time.Minute
 	cfg := regConfig(8, ttl)
-	onTime := regRedis(t, srv, "t:", cfg, clock.Real{})
-	ahead := regRedis(t, srv, "t:", cfg, regSkewedClock{2 * ttl})
-	behind := regRedis(t, srv, "t:", cfg, regSkewedClock{-2 * ttl})
+	onTime := regRedisOn(t, sh, "t:", cfg, clock.Real{})
+	ahead := regRedisOn(t, sh, "t:", cfg, regSkewedClock{2 * ttl})
+	behind := regRedisOn(t, sh, "t:", cfg, regSkewedClock{-2 * ttl})
 	replicas := map[string]*Registry{"on time": onTime, "ahead": ahead, "behind": behind}
-	raw := regRaw(t, srv)
+	raw := sh.raw
 	ctx := context.Background()
 	const key = "t:bootstrap:encoders"
 	all := []string{"http://ahead:1", "http://behind:1", "http://ontime:1"}
@@ -380,7 +384,7 @@ func TestRegistryRedisClockSkew(t *testing.T) {
 	// Each replica first sees one live (on a machine too slow to list one
 	// within its TTL, the next is tried).
 	short := regConfig(8, 500*time.Millisecond)
-	through := []*Registry{regRedis(t, srv, "t:", short, clock.Real{}), regRedis(t, srv, "t:", short, regSkewedClock{2 * ttl})}
+	through := []*Registry{regRedisOn(t, sh, "t:", short, clock.Real{}), regRedisOn(t, sh, "t:", short, regSkewedClock{2 * ttl})}
 	var lastEnd int64
 	n := 0
 	for _, name := range []string{"ahead", "behind", "on time"} {

@@ -477,20 +477,24 @@ func (f *regFlakyStore) List(ctx context.Context) (Listing, error) {
 // regRedis returns a registry (a "replica") over srv under prefix.
 func regRedis(t *testing.T, srv *redistest.Server, prefix string, cfg BootstrapConfig, clk clock.Clock) *Registry {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true, MaxRetries: -1,
-		DialTimeout: time.Second, ReadTimeout: time.Second, WriteTimeout: time.Second})
-	t.Cleanup(func() { _ = c.Close() })
-	return NewRegistry(cfg, NewRedisStore(c, prefix), clk, zap.NewNop())
+	return regRedisOn(t, regServer(t, srv), prefix, cfg, clk)
+}
+
+// regRedisOn is regRedis on any shape of Redis.
+func regRedisOn(t *testing.T, sh *regShape, prefix string, cfg BootstrapConfig, clk clock.Clock) *Registry {
+	t.Helper()
+	return NewRegistry(cfg, NewRedisStore(sh.client(t), prefix), clk, zap.NewNop())
 }
 
 // TestRegistryRedisConverge: a registration on replica A shows in replica
 // B's Run, and an unregistration on A takes it away there.
-func TestRegistryRedisConverge(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRegistryRedisConverge(t *testing.T) { testRegistryConverge(t, regStartServer(t)) }
+
+func testRegistryConverge(t *testing.T, sh *regShape) {
 	cfg := regConfig(8, time.Minute)
-	a := regRedis(t, srv, "t:", cfg, clock.Real{})
-	b := regRedis(t, srv, "t:", cfg, clock.Real{})
-	other := regRedis(t, srv, "other:", cfg, clock.Real{})
+	a := regRedisOn(t, sh, "t:", cfg, clock.Real{})
+	b := regRedisOn(t, sh, "t:", cfg, clock.Real{})
+	other := regRedisOn(t, sh, "other:", cfg, clock.Real{})
 	ctx := context.Background()
 	u := regRun(t, b, 10*time.Millisecond)
 	if got := u.next(t); len(got) != 0 {
@@ -522,19 +526,23 @@ func TestRegistryRedisConverge(t *testing.T) {
 }
 
 // TestRegistryRedisBound: the bound is one bound across replicas.
-func TestRegistryRedisBound(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRegistryRedisBound(t *testing.T) { testRegistryBound(t, regStartServer(t)) }
+
+func testRegistryBound(t *testing.T, sh *regShape) {
 	cfg := regConfig(2, time.Minute)
-	regTestBound(t, regRedis(t, srv, "t:", cfg, clock.Real{}), regRedis(t, srv, "t:", cfg, clock.Real{}))
+	regTestBound(t, regRedisOn(t, sh, "t:", cfg, clock.Real{}), regRedisOn(t, sh, "t:", cfg, clock.Real{}))
 }
 
 // TestRegistryRedisBoundConcurrent: replicas registering distinct URLs at
 // once never store more than the bound between them.
 func TestRegistryRedisBoundConcurrent(t *testing.T) {
-	srv := redistest.Start(t)
+	testRegistryBoundConcurrent(t, regStartServer(t))
+}
+
+func testRegistryBoundConcurrent(t *testing.T, sh *regShape) {
 	const max = 5
 	cfg := regConfig(max, time.Minute)
-	regs := []*Registry{regRedis(t, srv, "t:", cfg, clock.Real{}), regRedis(t, srv, "t:", cfg, clock.Real{})}
+	regs := []*Registry{regRedisOn(t, sh, "t:", cfg, clock.Real{}), regRedisOn(t, sh, "t:", cfg, clock.Real{})}
 	var (
 		wg           sync.WaitGroup
 		mu           sync.Mutex
@@ -582,12 +590,13 @@ func TestRegistryRedisBoundConcurrent(t *testing.T) {
 // is Redis's now plus the TTL, a refresh moves it, an unregistration leaves
 // a tombstone for the TTL, bounded in number, that a new registration
 // clears; members expired by Redis's clock neither list nor count.
-func TestRegistryRedisTTL(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRegistryRedisTTL(t *testing.T) { testRegistryTTL(t, regStartServer(t)) }
+
+func testRegistryTTL(t *testing.T, sh *regShape) {
 	const ttl = time.Minute
 	clk := clock.NewFake(time.Now().Add(-time.Hour))
-	r := regRedis(t, srv, "t:", regConfig(2, ttl), clk)
-	raw := regRaw(t, srv)
+	r := regRedisOn(t, sh, "t:", regConfig(2, ttl), clk)
+	raw := sh.raw
 	ctx := context.Background()
 	const key = "t:bootstrap:encoders"
 	t0 := regRedisNow(t, raw)
@@ -682,7 +691,7 @@ func regRaw(t *testing.T, srv *redistest.Server) *redis.Client {
 }
 
 // regRedisNow returns Redis's clock, unix ms.
-func regRedisNow(t *testing.T, raw *redis.Client) int64 {
+func regRedisNow(t *testing.T, raw redis.UniversalClient) int64 {
 	t.Helper()
 	now, err := raw.Time(context.Background()).Result()
 	if err != nil {
@@ -692,7 +701,7 @@ func regRedisNow(t *testing.T, raw *redis.Client) int64 {
 }
 
 // regNextMilli returns once Redis's clock has moved on by a millisecond.
-func regNextMilli(t *testing.T, raw *redis.Client) {
+func regNextMilli(t *testing.T, raw redis.UniversalClient) {
 	t.Helper()
 	for start := regRedisNow(t, raw); regRedisNow(t, raw) == start; {
 	}
@@ -700,7 +709,7 @@ func regNextMilli(t *testing.T, raw *redis.Client) {
 
 // regScoreIn fails unless url's score in key is within [lo, hi]: an expiry
 // taken from Redis's clock between two readings of it.
-func regScoreIn(t *testing.T, raw *redis.Client, key, url string, lo, hi int64) {
+func regScoreIn(t *testing.T, raw redis.UniversalClient, key, url string, lo, hi int64) {
 	t.Helper()
 	s, err := raw.ZScore(context.Background(), key, url).Result()
 	if err != nil {

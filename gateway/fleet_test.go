@@ -566,6 +566,10 @@ func TestRedisPasswordFileAuthenticatesBothClients(t *testing.T) {
 		c.Idempotency.Store = "redis"
 		c.Redis.Addr = rd.Addr()
 		c.Redis.PasswordFile = file
+		// The registry's poll: b sees a's registration within one interval,
+		// which the default (10s) made as long as the test's whole wait.
+		c.Health.Interval = configfile.Duration(time.Second)
+		c.Health.Timeout = configfile.Duration(500 * time.Millisecond)
 	}
 	a, b := dynamicGateway(t, redisCfg), dynamicGateway(t, redisCfg)
 	enc := registeredFakes(t, 1, "http://"+a.BootstrapAddr())[0] // registered with a only

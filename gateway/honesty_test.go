@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -63,6 +64,17 @@ func wantHonest(t *testing.T, what string, a answer, status int, replayed bool, 
 	}
 }
 
+// wantMayRetry fails unless a is an envelope for a /send refused before it
+// was forwarded, whose message tells the caller it may retry.
+func wantMayRetry(t *testing.T, what string, a answer) {
+	t.Helper()
+	var env struct{ Status, Message string }
+	if err := json.Unmarshal([]byte(a.body), &env); err != nil || env.Status != "error" ||
+		!strings.HasSuffix(env.Message, "; this call forwarded nothing, so the caller may retry it") {
+		t.Errorf("%s: %s, want an envelope whose message says the caller may retry (%v)", what, a.body, err)
+	}
+}
+
 // TestSendAnswersAreHonest walks one req_id through every /send outcome:
 // X-Encgate-Replayed is on exactly the answers that are another call's
 // (replayed from the store, or shared by an identical call in flight),
@@ -105,7 +117,9 @@ func TestSendAnswersAreHonest(t *testing.T) {
 	// flight: the gateway's own 504, not a replay.
 	late := joined(rank0)
 	clk.Advance(deadline + time.Second)
-	wantHonest(t, "wait past the deadline", <-late, 504, false, "enc-0")
+	a := <-late
+	wantHonest(t, "wait past the deadline", a, 504, false, "enc-0")
+	wantMayRetry(t, "wait past the deadline", a)
 
 	// An identical call that waits for the first: the first's answer,
 	// shared.
@@ -151,7 +165,9 @@ func TestSendAnswersAreHonest(t *testing.T) {
 		if failOpen {
 			wantHonest(t, "forwarded without dedupe", post(t, g.base+"/send", tpSend(id, 0, 2)), 200, false, "enc-0")
 		} else {
-			wantHonest(t, "store unavailable", post(t, g.base+"/send", tpSend(id, 0, 2)), 503, false, "enc-0")
+			a := post(t, g.base+"/send", tpSend(id, 0, 2))
+			wantHonest(t, "store unavailable", a, 503, false, "enc-0")
+			wantMayRetry(t, "store unavailable", a)
 		}
 	}
 }

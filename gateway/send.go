@@ -19,6 +19,14 @@ import (
 // are not marked.
 const headerReplayed = "X-Encgate-Replayed"
 
+// notForwardedMayRetry ends the message of a /send refused before it was
+// forwarded: the store could not be reached (503), or an identical /send
+// was still in flight at this call's deadline (504). Nothing reached an
+// encoder for this call, and a retry is deduplicated as any call is (it gets
+// the identical /send's answer, or is forwarded once), so the caller may
+// retry it.
+const notForwardedMayRetry = "this call forwarded nothing, so the caller may retry it"
+
 // serveSend is the dedupe step of /send: exactly one call per (req_id,
 // destination) reaches the encoder; every caller gets that one answer. A
 // replay allocates only its key.
@@ -71,10 +79,14 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 		writeEnvelope(ctx, fasthttp.StatusUnprocessableEntity, fmt.Sprintf(
 			"encgate: /send for req_id=%s to %s was already made with a different %s", reqID, req.Key.Dest, res.Field), id())
 	case idempotency.Unavailable:
-		writeEnvelope(ctx, fasthttp.StatusServiceUnavailable, "encgate: "+res.Err.Error(), id())
+		// Nothing was forwarded for this call (the store answers before the
+		// encoder is called), and a retry is deduplicated like any call.
+		writeEnvelope(ctx, fasthttp.StatusServiceUnavailable,
+			"encgate: "+res.Err.Error()+"; "+notForwardedMayRetry, id())
 	case idempotency.WaitTimeout:
 		writeEnvelope(ctx, fasthttp.StatusGatewayTimeout, fmt.Sprintf(
-			"encgate: an identical /send for req_id=%s to %s is still in flight past this call's deadline", reqID, req.Key.Dest), id())
+			"encgate: an identical /send for req_id=%s to %s is still in flight past this call's deadline; %s",
+			reqID, req.Key.Dest, notForwardedMayRetry), id())
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
-	"github.com/encgate/encgate/internal/redistest"
 )
 
 // collidingPairs are (req_id, host, port) pairs whose keys were one key
@@ -121,8 +120,11 @@ func abs(n int) int {
 // Through a real Redis: a /send whose key collided with another's under
 // the old naming is forwarded, not "replayed" from the other's record.
 func TestRedisCollidingKeysStayDistinct(t *testing.T) {
-	srv := redistest.Start(t)
-	st := newRedisStore(t, srv, redisOpts{})
+	testCollidingKeysStayDistinct(t, startServerShape(t))
+}
+
+func testCollidingKeysStayDistinct(t *testing.T, sh *redisShape) {
+	st := newStoreOn(t, sh, redisOpts{})
 	s := NewSends(st, DefaultConfig(), clock.Real{}, zap.NewNop(), NewMetrics(prometheus.NewRegistry(), nil))
 	for i, p := range collidingPairs {
 		forwards := 0

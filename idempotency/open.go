@@ -25,9 +25,10 @@ func (o *Opened) Close() error { return o.stop() }
 // Open builds the configured store and starts its background work. The
 // redis store runs over client (the gateway's one client for the redis:
 // section conn, which the caller owns); the memory store takes neither.
-// A Redis that refuses the client for good (credentials, a certificate
-// that does not verify) is an error; one that is only down is logged,
-// and /sends are refused (or forwarded, with fail_open) until it is back.
+// A Redis whose TLS refuses the client for good (its certificate does not
+// verify, or it refuses the client's certificate) is an error; one that
+// refuses the credentials, or is only down, is logged, and /sends are
+// refused (or forwarded, with fail_open) until it takes them.
 func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk clock.Clock, log *zap.Logger) (*Opened, error) {
 	switch cfg.Store {
 	case "memory":
@@ -49,7 +50,7 @@ func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk
 		var refused *redisclient.RefusedError
 		switch err := redisclient.Check(ctx, client); {
 		case err == nil:
-		case errors.As(err, &refused) && refused.Reason == "tls":
+		case errors.As(err, &refused) && refused.TLS():
 			_ = r.Close()
 			return nil, fmt.Errorf("redis at %s: %w", conn.Where(), err)
 		case errors.As(err, &refused):

@@ -187,7 +187,7 @@ func TestRedisOrphanResolverFreesTheKeyForAnotherReplica(t *testing.T) {
 	p := faultproxy.Start(t, srv.Addr())
 	clk := clock.NewFake(time.Unix(1e9, 0))
 	a, b := newReplica(t, srv, p.Addr(), clk), newReplica(t, srv, "", nil)
-	raw := rawClient(t, srv)
+	sh := serverShape(t, srv)
 	req := Send{Key: Key{ReqID: "resolve_local_part_0", Dest: "10.0.0.1:40000"}, FP: fpN(7), ReceiveCount: 1}
 	ks := a.store.keys(req.Key)
 	ans := Answer{Status: 200, ContentType: "application/json", Body: []byte(`{"by":"b"}`)}
@@ -205,7 +205,7 @@ func TestRedisOrphanResolverFreesTheKeyForAnotherReplica(t *testing.T) {
 	}
 	res := make(chan Result, 1)
 	go func() { res <- b.sends.Do(bg, req, time.Now().Add(hangGuard), counted(&forwards, ans)) }()
-	waitSubscribed(t, raw, ks.done)
+	waitSubscribed(t, sh, ks.done)
 	mustHeal(t, p, f)
 	created = clk.TimerCreated()
 	clk.Advance(a.store.retryMax) // the resolver's next try
@@ -276,7 +276,7 @@ func TestRedisClaimInFlightIsNeverTakenOver(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.ClaimTTL = configfile.Duration(orphanClaimTTL)
 	dup := NewSends(a.store, cfg, clock.Real{}, zap.NewNop(), a.sends.m)
-	raw := rawClient(t, srv)
+	sh := serverShape(t, srv)
 	req := Send{Key: Key{ReqID: "inflight_local_part_0", Dest: "10.0.0.1:40000"}, FP: fpN(9), ReceiveCount: 1}
 	ks := a.store.keys(req.Key)
 	ans := Answer{Status: 200, ContentType: "application/json", Body: []byte(`{"first":true}`)}
@@ -312,7 +312,7 @@ func TestRedisClaimInFlightIsNeverTakenOver(t *testing.T) {
 	}
 	second := make(chan Result, 1)
 	go func() { second <- dup.Do(bg, req, time.Now().Add(hangGuard), forward) }()
-	waitSubscribed(t, raw, ks.done)
+	waitSubscribed(t, sh, ks.done)
 	close(release)
 	if r := recv(t, "the first /send", first); r.Outcome != Forwarded || !sameAnswer(r.Answer, ans) {
 		t.Fatalf("the first /send: %v %+v (%v)", r.Outcome, r.Answer, r.Err)

@@ -40,6 +40,12 @@ type redisOpts struct {
 // poll once an hour, so a test that sees a waiter woken proves pub/sub.
 func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	t.Helper()
+	return newStoreOn(t, serverShape(t, srv), o)
+}
+
+// newStoreOn is newRedisStore on any shape of Redis.
+func newStoreOn(t *testing.T, sh *redisShape, o redisOpts) *Redis {
+	t.Helper()
 	if o.ttl == 0 {
 		o.ttl = time.Minute
 	}
@@ -49,8 +55,7 @@ func newRedisStore(t *testing.T, srv *redistest.Server, o redisOpts) *Redis {
 	if o.poll == 0 {
 		o.poll = time.Hour
 	}
-	cfg := redisclient.Default()
-	cfg.Addr = srv.Addr()
+	cfg := sh.conn
 	if o.addr != "" {
 		cfg.Addr = o.addr
 	}
@@ -135,11 +140,11 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 // waitSubscribed waits until some connection listens on channel, so that
 // what the test does next can only reach the waiter through pub/sub.
-func waitSubscribed(t *testing.T, raw *redis.Client, channel string) {
+func waitSubscribed(t *testing.T, sh *redisShape, channel string) {
 	t.Helper()
 	waitFor(t, "a subscriber on "+channel, func() bool {
-		n, err := raw.PubSubNumSub(context.Background(), channel).Result()
-		return err == nil && n[channel] > 0
+		n, err := sh.numSub(channel)
+		return err == nil && n > 0
 	})
 }
 
@@ -199,8 +204,11 @@ func TestRedisRecordEncoding(t *testing.T) {
 }
 
 func TestRedisClaimCompleteReplayRelease(t *testing.T) {
-	srv := redistest.Start(t)
-	a, b := newRedisStore(t, srv, redisOpts{}), newRedisStore(t, srv, redisOpts{})
+	testClaimCompleteReplayRelease(t, startServerShape(t))
+}
+
+func testClaimCompleteReplayRelease(t *testing.T, sh *redisShape) {
+	a, b := newStoreOn(t, sh, redisOpts{}), newStoreOn(t, sh, redisOpts{})
 	ctx := context.Background()
 	k1, k2, k3 := Key{"r1", "10.0.0.1:40001"}, Key{"r1", "10.0.0.2:40001"}, Key{"r1", "10.0.0.3:40001"}
 
@@ -250,9 +258,10 @@ func TestRedisClaimCompleteReplayRelease(t *testing.T) {
 	}
 }
 
-func TestRedisReceiveCount(t *testing.T) {
-	srv := redistest.Start(t)
-	r := newRedisStore(t, srv, redisOpts{})
+func TestRedisReceiveCount(t *testing.T) { testReceiveCount(t, startServerShape(t)) }
+
+func testReceiveCount(t *testing.T, sh *redisShape) {
+	r := newStoreOn(t, sh, redisOpts{})
 	dest := func(i int) Key { return Key{"rc", fmt.Sprintf("10.0.0.1:%d", 40000+i)} }
 	// Each /send's own receive_count is compared with the destinations
 	// counted so far, and only /sends with one are counted (sglang NEW).
@@ -280,9 +289,10 @@ func TestRedisReceiveCount(t *testing.T) {
 	}
 }
 
-func TestRedisAbandon(t *testing.T) {
-	srv := redistest.Start(t)
-	a, b := newRedisStore(t, srv, redisOpts{}), newRedisStore(t, srv, redisOpts{})
+func TestRedisAbandon(t *testing.T) { testAbandon(t, startServerShape(t)) }
+
+func testAbandon(t *testing.T, sh *redisShape) {
+	a, b := newStoreOn(t, sh, redisOpts{}), newStoreOn(t, sh, redisOpts{})
 	ctx := context.Background()
 	k := Key{"ab", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
@@ -310,8 +320,11 @@ func TestRedisAbandon(t *testing.T) {
 // A Claim that go-redis sends again after a lost reply finds its own token
 // and is granted, instead of answering Busy against itself.
 func TestRedisClaimScriptIsRepeatable(t *testing.T) {
-	srv := redistest.Start(t)
-	r := newRedisStore(t, srv, redisOpts{})
+	testClaimScriptIsRepeatable(t, startServerShape(t))
+}
+
+func testClaimScriptIsRepeatable(t *testing.T, sh *redisShape) {
+	r := newStoreOn(t, sh, redisOpts{})
 	ks := r.keys(Key{"rep", "h:1"})
 	keys := []string{ks.rec, ks.rel, ks.claim, ks.claims, ks.dests}
 	val := strings.Repeat("T", tokenLen) + strings.Repeat("\x00", 16)
@@ -328,11 +341,12 @@ func TestRedisClaimScriptIsRepeatable(t *testing.T) {
 	}
 }
 
-func TestRedisClaimExpires(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRedisClaimExpires(t *testing.T) { testClaimExpires(t, startServerShape(t)) }
+
+func testClaimExpires(t *testing.T, sh *redisShape) {
 	const claimTTL = 300 * time.Millisecond
-	a := newRedisStore(t, srv, redisOpts{claimTTL: claimTTL, poll: 10 * time.Millisecond})
-	b := newRedisStore(t, srv, redisOpts{claimTTL: claimTTL, poll: 10 * time.Millisecond})
+	a := newStoreOn(t, sh, redisOpts{claimTTL: claimTTL, poll: 10 * time.Millisecond})
+	b := newStoreOn(t, sh, redisOpts{claimTTL: claimTTL, poll: 10 * time.Millisecond})
 	k := Key{"exp", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
 	// A waiter on a claim that lapses (a crashed replica: no message) sees
@@ -346,11 +360,12 @@ func TestRedisClaimExpires(t *testing.T) {
 
 // Every key the store writes has a TTL, and all of them sit under the
 // prefix with the req_id's hash tag.
-func TestRedisEveryKeyExpires(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRedisEveryKeyExpires(t *testing.T) { testEveryKeyExpires(t, startServerShape(t)) }
+
+func testEveryKeyExpires(t *testing.T, sh *redisShape) {
 	const ttl, claimTTL = time.Minute, 30 * time.Second
-	r := newRedisStore(t, srv, redisOpts{ttl: ttl, claimTTL: claimTTL})
-	raw := rawClient(t, srv)
+	r := newStoreOn(t, sh, redisOpts{ttl: ttl, claimTTL: claimTTL})
+	raw := sh.raw
 	ctx := context.Background()
 	for i := range 2 {
 		k := Key{"ttl", fmt.Sprintf("h:%d", i)}
@@ -365,10 +380,7 @@ func TestRedisEveryKeyExpires(t *testing.T) {
 	mustClaim(t, r, Key{"rel", "h:0"}, fpN(1), StateClaimed)
 	mustComplete(t, r, Key{"rel", "h:0"}, recN(0, fpN(1)), 1)
 
-	keys, err := raw.Keys(ctx, "*").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
+	keys := sh.keys(t, "*")
 	want := map[string]time.Duration{
 		"t:{ttl}:rec:h:0": ttl, "t:{ttl}:rec:h:1": ttl, "t:{ttl}:dests": ttl, "t:{ttl}:count": ttl, "t:{ttl}:counted": ttl,
 		"t:{ttl}:claim:h:2": claimTTL, "t:{ttl}:claims": claimTTL,
@@ -389,9 +401,10 @@ func TestRedisEveryKeyExpires(t *testing.T) {
 	}
 }
 
-func TestRedisInspect(t *testing.T) {
-	srv := redistest.Start(t)
-	r := newRedisStore(t, srv, redisOpts{})
+func TestRedisInspect(t *testing.T) { testInspect(t, startServerShape(t)) }
+
+func testInspect(t *testing.T, sh *redisShape) {
+	r := newStoreOn(t, sh, redisOpts{})
 	ctx := context.Background()
 	if v, err := r.Inspect(ctx, "none"); err != nil || v.ReqID != "none" || len(v.Destinations) != 0 || v.Done != 0 {
 		t.Fatalf("Inspect of an unknown req_id = %+v, %v", v, err)
@@ -420,9 +433,12 @@ func TestRedisInspect(t *testing.T) {
 }
 
 func TestRedisCorruptRecordIsAnError(t *testing.T) {
-	srv := redistest.Start(t)
-	r := newRedisStore(t, srv, redisOpts{})
-	raw := rawClient(t, srv)
+	testCorruptRecordIsAnError(t, startServerShape(t))
+}
+
+func testCorruptRecordIsAnError(t *testing.T, sh *redisShape) {
+	r := newStoreOn(t, sh, redisOpts{})
+	raw := sh.raw
 	ctx := context.Background()
 	k := Key{"bad", "h:1"}
 	raw.Set(ctx, r.keys(k).rec, "\x01garbage", time.Minute)
@@ -444,24 +460,23 @@ func TestRedisCorruptRecordIsAnError(t *testing.T) {
 // Also on a Redis that requires a password, with password_file: every
 // connection of the stores authenticates, the pub/sub one included.
 func TestRedisAwaitWokenByCompleteOnAnotherReplica(t *testing.T) {
-	t.Run("no password", func(t *testing.T) { testAwaitWokenOnAnotherReplica(t, redistest.Start(t), redisOpts{}) })
+	t.Run("no password", func(t *testing.T) { testAwaitWokenOnAnotherReplica(t, startServerShape(t), redisOpts{}) })
 	t.Run("password_file", func(t *testing.T) {
 		const pw = "replicas' redis password"
 		o := redisOpts{passwordFile: secretfiletest.Write(t, "redis.password", pw+"\n", 0o600)}
-		testAwaitWokenOnAnotherReplica(t, redistest.Start(t, redistest.WithPassword(pw)), o)
+		testAwaitWokenOnAnotherReplica(t, serverShape(t, redistest.Start(t, redistest.WithPassword(pw))), o)
 	})
 }
 
-func testAwaitWokenOnAnotherReplica(t *testing.T, srv *redistest.Server, o redisOpts) {
-	a, b := newRedisStore(t, srv, o), newRedisStore(t, srv, o)
-	raw := rawClient(t, srv)
+func testAwaitWokenOnAnotherReplica(t *testing.T, sh *redisShape, o redisOpts) {
+	a, b := newStoreOn(t, sh, o), newStoreOn(t, sh, o)
 	k := Key{"aw", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
 	// Two waiters on b share its one subscription.
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	w1, w2 := goAwait(ctx, b, k), goAwait(ctx, b, k)
-	waitSubscribed(t, raw, a.keys(k).done)
+	waitSubscribed(t, sh, a.keys(k).done)
 	mustComplete(t, a, k, recN(1, fpN(1)), 0)
 	for i, w := range []<-chan awaitResult{w1, w2} {
 		res := recv(t, "Await", w)
@@ -471,19 +486,19 @@ func testAwaitWokenOnAnotherReplica(t *testing.T, srv *redistest.Server, o redis
 	}
 	// Both gone: b unsubscribes.
 	waitFor(t, "the unsubscribe", func() bool {
-		n, err := raw.PubSubNumSub(context.Background(), a.keys(k).done).Result()
-		return err == nil && n[a.keys(k).done] == 0
+		n, err := sh.numSub(a.keys(k).done)
+		return err == nil && n == 0
 	})
 }
 
-func TestRedisAwaitWokenByAbandon(t *testing.T) {
-	srv := redistest.Start(t)
-	a, b := newRedisStore(t, srv, redisOpts{}), newRedisStore(t, srv, redisOpts{})
-	raw := rawClient(t, srv)
+func TestRedisAwaitWokenByAbandon(t *testing.T) { testAwaitWokenByAbandon(t, startServerShape(t)) }
+
+func testAwaitWokenByAbandon(t *testing.T, sh *redisShape) {
+	a, b := newStoreOn(t, sh, redisOpts{}), newStoreOn(t, sh, redisOpts{})
 	k := Key{"aw", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
 	w := goAwait(context.Background(), b, k)
-	waitSubscribed(t, raw, a.keys(k).done)
+	waitSubscribed(t, sh, a.keys(k).done)
 	if err := a.Abandon(context.Background(), k); err != nil {
 		t.Fatal(err)
 	}
@@ -510,13 +525,12 @@ func TestRedisAwaitHonoursDeadline(t *testing.T) {
 }
 
 func TestRedisCloseEndsWaiters(t *testing.T) {
-	srv := redistest.Start(t)
-	a, b := newRedisStore(t, srv, redisOpts{}), newRedisStore(t, srv, redisOpts{})
-	raw := rawClient(t, srv)
+	sh := startServerShape(t)
+	a, b := newStoreOn(t, sh, redisOpts{}), newStoreOn(t, sh, redisOpts{})
 	k := Key{"close", "h:1"}
 	mustClaim(t, a, k, fpN(1), StateClaimed)
 	w := goAwait(context.Background(), b, k)
-	waitSubscribed(t, raw, a.keys(k).done)
+	waitSubscribed(t, sh, a.keys(k).done)
 	if err := b.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -539,14 +553,14 @@ func TestRedisUnavailableAndBack(t *testing.T) {
 	a := newRedisStore(t, srv, redisOpts{})
 	b := newRedisStore(t, srv, redisOpts{})
 	polling := newRedisStore(t, srv, redisOpts{poll: 10 * time.Millisecond})
-	raw := rawClient(t, srv)
+	sh := serverShape(t, srv)
 	ctx := context.Background()
 	k := Key{"down", "h:1"}
 
 	// b's pub/sub connection is up before Redis dies.
 	mustClaim(t, a, k, fpN(1), StateClaimed)
 	w := goAwait(ctx, b, k)
-	waitSubscribed(t, raw, a.keys(k).done)
+	waitSubscribed(t, sh, a.keys(k).done)
 	mustComplete(t, a, k, recN(1, fpN(1)), 0)
 	if res := recv(t, "Await", w); !res.ok {
 		t.Fatalf("Await before the crash = %+v", res)
@@ -554,7 +568,7 @@ func TestRedisUnavailableAndBack(t *testing.T) {
 	k2 := Key{"down", "h:2"}
 	mustClaim(t, a, k2, fpN(1), StateClaimed)
 	inProgress := goAwait(ctx, polling, k2)
-	waitSubscribed(t, raw, a.keys(k2).done)
+	waitSubscribed(t, sh, a.keys(k2).done)
 
 	srv.Kill()
 
@@ -601,7 +615,7 @@ func TestRedisUnavailableAndBack(t *testing.T) {
 		t.Fatalf("Busy FP after restart = %+v", c.FP)
 	}
 	w = goAwait(ctx, b, k3)
-	waitSubscribed(t, raw, a.keys(k3).done)
+	waitSubscribed(t, sh, a.keys(k3).done)
 	mustComplete(t, a, k3, recN(3, fpN(1)), 1)
 	if res := recv(t, "Await after restart", w); res.err != nil || !res.ok || !sameRecord(res.rec, recN(3, fpN(1))) {
 		t.Fatalf("Await after restart = %+v", res)
@@ -645,18 +659,18 @@ func TestNewRedisRejectsBadArguments(t *testing.T) {
 // The coordinator across replicas: 64 concurrent calls for one key, split
 // over two gateways that share one Redis, reach the encoder once and all
 // get its answer.
-func TestRedisSendsAcrossReplicas(t *testing.T) {
-	srv := redistest.Start(t)
+func TestRedisSendsAcrossReplicas(t *testing.T) { testSendsAcrossReplicas(t, startServerShape(t)) }
+
+func testSendsAcrossReplicas(t *testing.T, sh *redisShape) {
 	const callers = 64
 	cfg := DefaultConfig()
 	cfg.Store = "redis"
 	replicas := [2]*Sends{}
 	var stores [2]*Redis
 	for i := range replicas {
-		stores[i] = newRedisStore(t, srv, redisOpts{claimTTL: cfg.ClaimTTL.D()})
+		stores[i] = newStoreOn(t, sh, redisOpts{claimTTL: cfg.ClaimTTL.D()})
 		replicas[i] = NewSends(stores[i], cfg, clock.Real{}, zap.NewNop(), NewMetrics(prometheus.NewRegistry(), nil))
 	}
-	raw := rawClient(t, srv)
 	answer := Answer{Status: 200, ContentType: "application/json", Body: []byte(`{"ok":true}`)}
 	var (
 		forwards atomic.Int32
@@ -674,8 +688,7 @@ func TestRedisSendsAcrossReplicas(t *testing.T) {
 		// answer until that waiter listens.
 		entered.Wait()
 		for deadline := time.Now().Add(hangGuard); ; time.Sleep(time.Millisecond) {
-			n, err := raw.PubSubNumSub(context.Background(), done).Result()
-			if err == nil && n[done] > 0 {
+			if n, err := sh.numSub(done); err == nil && n > 0 {
 				break
 			}
 			if time.Now().After(deadline) {

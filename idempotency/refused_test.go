@@ -16,28 +16,30 @@ import (
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
-	"github.com/encgate/encgate/internal/redistest"
 )
 
-// refuseWritesOOM makes Redis refuse every write that may grow memory, as
-// a full Redis under noeviction does ("OOM command not allowed"). Reads,
-// PEXPIRE, DEL and PUBLISH still go through.
-func refuseWritesOOM(t *testing.T, raw *redis.Client) {
+// refuseWritesOOM makes Redis (every master of a cluster) refuse every
+// write that may grow memory, as a full Redis under noeviction does ("OOM
+// command not allowed"). Reads, PEXPIRE, DEL and PUBLISH still go through.
+// The test's cleanup lifts it.
+func refuseWritesOOM(t *testing.T, sh *redisShape) {
 	t.Helper()
-	ctx := context.Background()
-	if err := raw.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := raw.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
-		t.Fatal(err)
-	}
+	sh.each(t, func(n *redis.Client) error {
+		if err := n.ConfigSet(bg, "maxmemory-policy", "noeviction").Err(); err != nil {
+			return err
+		}
+		return n.ConfigSet(bg, "maxmemory", "1").Err()
+	})
+	t.Cleanup(func() {
+		for _, n := range sh.nodes {
+			_ = n.ConfigSet(bg, "maxmemory", "0").Err()
+		}
+	})
 }
 
-func acceptWritesOOM(t *testing.T, raw *redis.Client) {
+func acceptWritesOOM(t *testing.T, sh *redisShape) {
 	t.Helper()
-	if err := raw.ConfigSet(context.Background(), "maxmemory", "0").Err(); err != nil {
-		t.Fatal(err)
-	}
+	sh.each(t, func(n *redis.Client) error { return n.ConfigSet(bg, "maxmemory", "0").Err() })
 }
 
 // refuseWritesReadOnly makes Redis a replica of a master that never
@@ -70,7 +72,7 @@ type replicaPair struct {
 	regs   [2]*prometheus.Registry
 }
 
-func newReplicaPair(t *testing.T, srv *redistest.Server, claimTTL time.Duration) *replicaPair {
+func newReplicaPair(t *testing.T, sh *redisShape, claimTTL time.Duration) *replicaPair {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Store = "redis"
@@ -78,7 +80,7 @@ func newReplicaPair(t *testing.T, srv *redistest.Server, claimTTL time.Duration)
 	var p replicaPair
 	for i := range 2 {
 		// Waiters poll once an hour: an answer they get came by pub/sub.
-		p.stores[i] = newRedisStore(t, srv, redisOpts{claimTTL: claimTTL})
+		p.stores[i] = newStoreOn(t, sh, redisOpts{claimTTL: claimTTL})
 		p.regs[i] = prometheus.NewRegistry()
 		p.sends[i] = NewSends(p.stores[i], cfg, clock.Real{}, zap.NewNop(), NewMetrics(p.regs[i], nil))
 	}
@@ -96,10 +98,13 @@ func sameAnswer(a, b Answer) bool {
 // from forwarding, also past claim_ttl. Once Redis takes writes again the
 // answer is stored and the claim ends. The /send reached the encoder once.
 func TestRedisRefusedCompletionIsHeldAndNeverForwardedTwice(t *testing.T) {
-	srv := redistest.Start(t)
-	raw := rawClient(t, srv)
+	testRefusedCompletionIsHeld(t, startServerShape(t))
+}
+
+func testRefusedCompletionIsHeld(t *testing.T, sh *redisShape) {
+	raw := sh.raw
 	const claimTTL = 400 * time.Millisecond
-	p := newReplicaPair(t, srv, claimTTL)
+	p := newReplicaPair(t, sh, claimTTL)
 	a, b := p.sends[0], p.sends[1]
 	req := Send{Key: Key{ReqID: "oom_local_part_0", Dest: "10.0.0.1:40000"}, FP: fpN(3), ReceiveCount: 2}
 	ks := p.stores[0].keys(req.Key)
@@ -107,7 +112,7 @@ func TestRedisRefusedCompletionIsHeldAndNeverForwardedTwice(t *testing.T) {
 	var forwards atomic.Int32
 	forward := func(time.Duration) (Answer, bool) {
 		if forwards.Add(1) == 1 {
-			refuseWritesOOM(t, raw) // while the first /send is at the encoder
+			refuseWritesOOM(t, sh) // while the first /send is at the encoder
 		}
 		return ans, true
 	}
@@ -139,7 +144,7 @@ func TestRedisRefusedCompletionIsHeldAndNeverForwardedTwice(t *testing.T) {
 	}
 	check("past claim_ttl")
 
-	acceptWritesOOM(t, raw)
+	acceptWritesOOM(t, sh)
 	waitFor(t, "the held answer to be stored", func() bool { return p.stores[0].Pending() == 0 })
 	if n := raw.Exists(bg, ks.rec, ks.claim).Val(); n != 1 {
 		t.Fatalf("after recovery: %d of record and claim exist, want the record alone", n)
@@ -167,10 +172,10 @@ func TestRedisRefusedCompletionIsHeldAndNeverForwardedTwice(t *testing.T) {
 // (its /sends get a 503), and once they are accepted the held answer is
 // stored by the first retry, so the /send still reached the encoder once.
 func TestRedisReadOnlyPastClaimTTLIsCountedAndStillForwardsOnce(t *testing.T) {
-	srv := redistest.Start(t)
-	raw := rawClient(t, srv)
+	sh := startServerShape(t)
+	raw := sh.nodes[0]
 	const claimTTL = 300 * time.Millisecond
-	p := newReplicaPair(t, srv, claimTTL)
+	p := newReplicaPair(t, sh, claimTTL)
 	a, b := p.sends[0], p.sends[1]
 	req := Send{Key: Key{ReqID: "ro_local_part_0", Dest: "10.0.0.1:40000"}, FP: fpN(4), ReceiveCount: 1}
 	ans := Answer{Status: 200, ContentType: "application/json", Body: []byte(`null`)}
@@ -212,10 +217,12 @@ func TestRedisReadOnlyPastClaimTTLIsCountedAndStillForwardsOnce(t *testing.T) {
 // A store closed with a record still held counts it lost, and nothing
 // outlives Close (goleak checks the retry goroutine is gone).
 func TestRedisCloseWithAHeldRecordCountsItLost(t *testing.T) {
-	srv := redistest.Start(t)
-	raw := rawClient(t, srv)
-	p := newReplicaPair(t, srv, time.Minute)
-	refuseWritesOOM(t, raw)
+	testCloseWithAHeldRecord(t, startServerShape(t))
+}
+
+func testCloseWithAHeldRecord(t *testing.T, sh *redisShape) {
+	p := newReplicaPair(t, sh, time.Minute)
+	refuseWritesOOM(t, sh)
 	k := Key{ReqID: "closed_local_part_0", Dest: "h:1"}
 	// Out of memory a new claim is refused too: Complete without one.
 	if _, err := p.stores[0].Complete(bg, k, recN(1, fpN(1)), 1); !errors.Is(err, ErrCompletionPending) || !errors.Is(err, ErrUnavailable) {

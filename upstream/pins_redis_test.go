@@ -18,19 +18,30 @@ func sharedTables(t *testing.T, n int) []*PinTable {
 	srv := redistest.Start(t)
 	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true})
 	t.Cleanup(func() { _ = c.Close() })
+	return sharedTablesOn(t, c, []*redis.Client{c}, n)
+}
+
+// sharedTablesOn is sharedTables over client, whose servers are nodes (a
+// cluster's masters: each counts only its own subscribers).
+func sharedTablesOn(t *testing.T, client redis.UniversalClient, nodes []*redis.Client, n int) []*PinTable {
+	t.Helper()
 	out := make([]*PinTable, n)
 	for i := range out {
 		out[i] = NewPinTable(time.Minute, 1000, clock.Real{})
 		ctx, cancel := context.WithCancel(context.Background())
-		done := out[i].Share(ctx, NewRedisPins(c, "t:", time.Minute, time.Second, time.Hour, nil, nil), nil)
+		done := out[i].Share(ctx, NewRedisPins(client, "t:", time.Minute, time.Second, time.Hour, nil, nil), nil)
 		t.Cleanup(func() { cancel(); <-done })
 	}
 	for {
-		m, err := c.PubSubNumSub(context.Background(), "t:pins:placed").Result()
-		if err != nil {
-			t.Fatal(err)
+		var subs int64
+		for _, node := range nodes {
+			m, err := node.PubSubNumSub(context.Background(), "t:pins:placed").Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			subs += m["t:pins:placed"]
 		}
-		if m["t:pins:placed"] == int64(n) {
+		if subs == int64(n) {
 			return out
 		}
 		time.Sleep(time.Millisecond) // Redis offers no signal for a subscription made on another connection
@@ -40,8 +51,9 @@ func sharedTables(t *testing.T, n int) []*PinTable {
 // The share applies PinTable's rules across replicas: one placement wins,
 // a move follows only a pending pin on its encoder, an encoded pin is not
 // failed, and every replica reads the pin in force.
-func TestSharedPinsFollowOneRule(t *testing.T) {
-	tables := sharedTables(t, 3)
+func TestSharedPinsFollowOneRule(t *testing.T) { testSharedPinsFollowOneRule(t, sharedTables(t, 3)) }
+
+func testSharedPinsFollowOneRule(t *testing.T, tables []*PinTable) {
 	a, b, fresh := tables[0], tables[1], tables[2]
 	if p, placed := a.Place("r", "enc-1", 1); !placed || p.Encoder != "enc-1" || p.Remote {
 		t.Fatalf("first placement: %+v %v", p, placed)
@@ -78,18 +90,19 @@ func TestSharedPinsFollowOneRule(t *testing.T) {
 
 // A follow-up waiting on one replica is woken by the placement on the
 // other through pub/sub (the poll here is an hour), not by its wait.
-func TestSharedPinWakesAWaiter(t *testing.T) {
-	tables := sharedTables(t, 2)
+func TestSharedPinWakesAWaiter(t *testing.T) { testSharedPinWakesAWaiter(t, sharedTables(t, 2), "w") }
+
+func testSharedPinWakesAWaiter(t *testing.T, tables []*PinTable, reqID string) {
 	a, b := tables[0], tables[1]
 	got := make(chan Pin, 1)
 	go func() {
-		p, _ := b.Wait("w", time.Hour, nil)
+		p, _ := b.Wait(reqID, time.Hour, nil)
 		got <- p
 	}()
 	for b.Waiting() == 0 {
 		time.Sleep(time.Millisecond) // b has no signal to offer before it waits
 	}
-	a.Place("w", "enc-1", 1)
+	a.Place(reqID, "enc-1", 1)
 	select {
 	case p := <-got:
 		if p.Encoder != "enc-1" {

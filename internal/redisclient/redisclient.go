@@ -339,8 +339,9 @@ func (c Config) Where() string {
 
 // Check pings Redis once and sorts a failure: nil when it answers; a
 // *RefusedError when Redis answers but refuses this client for good (its
-// credentials, or a TLS certificate that does not verify), which waiting
-// will not fix; any other error is an outage a later try may not see.
+// credentials, a TLS certificate of the server's that does not verify, or
+// the server refusing the client's certificate), which waiting will not
+// fix; any other error is an outage a later try may not see.
 func Check(ctx context.Context, c redis.UniversalClient) error {
 	err := c.Ping(ctx).Err()
 	if err == nil {
@@ -350,26 +351,60 @@ func Check(ctx context.Context, c redis.UniversalClient) error {
 	var hostname x509.HostnameError
 	var invalid x509.CertificateInvalidError
 	var verify *tls.CertificateVerificationError
+	var op *net.OpError
 	switch {
 	case redis.IsAuthError(err):
-		return &RefusedError{Reason: "credentials", Err: err}
+		return &RefusedError{Reason: RefusedCredentials, Err: err}
 	case errors.As(err, &unknownCA), errors.As(err, &hostname), errors.As(err, &invalid), errors.As(err, &verify):
-		return &RefusedError{Reason: "tls", Err: err}
+		return &RefusedError{Reason: RefusedServerCert, Err: err}
+	case errors.As(err, &op) && op.Op == "remote error" && op.Err != nil && certificateAlerts[op.Err.Error()]:
+		return &RefusedError{Reason: RefusedClientCert, Err: err}
 	}
 	return err
 }
 
+// certificateAlerts are the TLS alerts (as crypto/tls writes them) by
+// which a server refuses the client's certificate: none sent where one is
+// required, or one it does not accept.
+var certificateAlerts = map[string]bool{
+	"tls: certificate required":          true,
+	"tls: bad certificate":               true,
+	"tls: unsupported certificate":       true,
+	"tls: revoked certificate":           true,
+	"tls: expired certificate":           true,
+	"tls: unknown certificate":           true,
+	"tls: unknown certificate authority": true,
+	"tls: access denied":                 true,
+}
+
+// Reasons of a RefusedError.
+const (
+	RefusedCredentials = "credentials" // username, password
+	RefusedServerCert  = "tls"         // the server's certificate does not verify
+	RefusedClientCert  = "tls_client"  // the server refuses the client's certificate (or its lack)
+)
+
 // RefusedError is a Redis that answers but will not take this client.
 type RefusedError struct {
-	Reason string // "credentials" or "tls"
+	Reason string // RefusedCredentials, RefusedServerCert or RefusedClientCert
 	Err    error
 }
 
 func (e *RefusedError) Error() string {
-	if e.Reason == "tls" {
+	switch e.Reason {
+	case RefusedServerCert:
 		return "redis's TLS certificate does not verify against redis.tls (ca_file, server_name): " + e.Err.Error()
+	case RefusedClientCert:
+		return "redis refuses the gateway's TLS client certificate (redis.tls.cert_file, key_file): " + e.Err.Error()
 	}
 	return "redis refuses the gateway's credentials (redis.username, password or password_file): " + e.Err.Error()
+}
+
+// TLS reports whether the refusal is TLS's (either certificate), which a
+// gateway does not start with: only a change of its config or of the
+// servers' certificates ends it.
+func (e *RefusedError) TLS() bool {
+	return e.Reason == RefusedServerCert || e.Reason == RefusedClientCert
 }
 
 func (e *RefusedError) Unwrap() error { return e.Err }

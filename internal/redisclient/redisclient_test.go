@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 )
 
@@ -133,5 +134,61 @@ func TestCheckSortsFailures(t *testing.T) {
 	var refused *RefusedError
 	if err == nil || errors.As(err, &refused) {
 		t.Fatalf("nothing listening: %v, want an outage", err)
+	}
+}
+
+// Check sorts TLS refusals from real servers: the server's certificate
+// that does not verify (another CA, another name) and a client
+// certificate the server refuses (none, or one of another CA) are
+// refusals, each naming its fields; the right files pass.
+func TestCheckSortsTLSRefusals(t *testing.T) {
+	plain := redistest.Start(t, redistest.WithTLS())
+	mutual := redistest.Start(t, redistest.WithMutualTLS())
+	otherCert, otherKey := redistest.NewCA(t).IssueClient(t)
+	for _, tc := range []struct {
+		name   string
+		addr   string
+		tls    TLSConfig
+		reason string // "" for none
+		says   []string
+	}{
+		{"the CA", plain.Addr(), TLSConfig{CAFile: plain.TLS().CAFile}, "", nil},
+		{"another CA", plain.Addr(), TLSConfig{CAFile: redistest.NewCA(t).CertFile}, RefusedServerCert,
+			[]string{"does not verify against redis.tls (ca_file, server_name)", "certificate signed by unknown authority"}},
+		{"another server_name", plain.Addr(), TLSConfig{CAFile: plain.TLS().CAFile, ServerName: "redis.example"}, RefusedServerCert,
+			[]string{"does not verify against redis.tls (ca_file, server_name)", "not redis.example"}},
+		{"the client certificate", mutual.Addr(), TLSConfig{CAFile: mutual.TLS().CAFile,
+			CertFile: mutual.TLS().ClientCertFile, KeyFile: mutual.TLS().ClientKeyFile}, "", nil},
+		{"no client certificate", mutual.Addr(), TLSConfig{CAFile: mutual.TLS().CAFile}, RefusedClientCert,
+			[]string{"refuses the gateway's TLS client certificate (redis.tls.cert_file, key_file)", "certificate required"}},
+		{"a client certificate of another CA", mutual.Addr(), TLSConfig{CAFile: mutual.TLS().CAFile,
+			CertFile: otherCert, KeyFile: otherKey}, RefusedClientCert,
+			[]string{"refuses the gateway's TLS client certificate (redis.tls.cert_file, key_file)", "unknown certificate authority"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := Default()
+			c.Addr, c.TLS = tc.addr, tc.tls
+			c.TLS.Enabled = true
+			client, err := New(c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer client.Close()
+			err = Check(context.Background(), client)
+			var refused *RefusedError
+			switch {
+			case tc.reason == "":
+				if err != nil {
+					t.Fatalf("Check: %v", err)
+				}
+			case !errors.As(err, &refused) || refused.Reason != tc.reason || !refused.TLS():
+				t.Fatalf("Check: %v, want a refusal (%s)", err, tc.reason)
+			}
+			for _, w := range tc.says {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("Check: %q lacks %q", err, w)
+				}
+			}
+		})
 	}
 }
