@@ -4,9 +4,11 @@ package deploy
 // strictly into the real API types, every encgate container runs a real
 // subcommand with real flags on a config from the ConfigMaps that the real
 // loaders accept, every probe is served where it points, and the pieces
-// (Services, the PodDisruptionBudget, the Redis address and password, the
-// Secrets) name each other correctly. The configs are also run: the built
-// binary serves the manifests' probe paths on loopback.
+// (Services, the PodDisruptionBudgets, the Redis sentinels and password,
+// the Secrets) name each other correctly. The configs are also run: the
+// built binary serves the manifests' probe paths on loopback and dedupes a
+// /send through Sentinel, and the kit's Redis script runs a Sentinel set
+// on loopback through two failovers.
 
 import (
 	"bufio"
@@ -32,6 +34,7 @@ import (
 	"testing"
 	"time"
 
+	goredis "github.com/redis/go-redis/v9"
 	"go.yaml.in/yaml/v3"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -42,8 +45,10 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	sigsyaml "sigs.k8s.io/yaml"
 
+	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 )
@@ -577,6 +582,39 @@ func kubeFSGroup(ps *corev1.PodSpec) any {
 // "encoders.0.agent_token_file") of a YAML document to value, as a string.
 func kubeSetYAML(t *testing.T, src string, sets map[string]string) string {
 	t.Helper()
+	nodes := make(map[string]*yaml.Node, len(sets))
+	for p, value := range sets {
+		nodes[p] = &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: value, Style: yaml.DoubleQuotedStyle}
+	}
+	return kubeSetYAMLNodes(t, src, nodes)
+}
+
+// kubeYAMLValue is the node of a YAML value written as text ("[a, b]"),
+// for kubeSetYAMLNodes.
+func kubeYAMLValue(t *testing.T, text string) *yaml.Node {
+	t.Helper()
+	var doc yaml.Node
+	if err := yaml.Unmarshal([]byte(text), &doc); err != nil || len(doc.Content) != 1 {
+		t.Fatalf("YAML value %q: %v", text, err)
+	}
+	return doc.Content[0]
+}
+
+// kubeYAMLJSON is the node of v written as JSON (which YAML reads), for
+// kubeSetYAMLNodes.
+func kubeYAMLJSON(t *testing.T, v any) *yaml.Node {
+	t.Helper()
+	js, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kubeYAMLValue(t, string(js))
+}
+
+// kubeSetYAMLNodes replaces the value at each dotted path of a YAML
+// document (which must exist) with the node given.
+func kubeSetYAMLNodes(t *testing.T, src string, sets map[string]*yaml.Node) string {
+	t.Helper()
 	var doc yaml.Node
 	if err := yaml.Unmarshal([]byte(src), &doc); err != nil {
 		t.Fatal(err)
@@ -602,7 +640,7 @@ func kubeSetYAML(t *testing.T, src string, sets map[string]string) string {
 			}
 			n = next
 		}
-		*n = yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: value, Style: yaml.DoubleQuotedStyle}
+		*n = *value
 	}
 	out, err := yaml.Marshal(&doc)
 	if err != nil {
@@ -628,6 +666,9 @@ func kubeSecretFiles(sub string, cfg any) map[string]string {
 		}
 		if f := c.Redis.PasswordFile; f != "" {
 			out["redis.password_file"] = f
+		}
+		if f := c.Redis.SentinelPasswordFile; f != "" {
+			out["redis.sentinel_password_file"] = f
 		}
 	case "agent":
 		if f := cfg.(gpuagent.Config).Control.TokenFile; f != "" {
@@ -1125,7 +1166,8 @@ func TestKubeEveryContainerIsLockedDown(t *testing.T) {
 // TestKubeGatewayDeployment: two replicas, rolled one at a time without
 // going below them, a PodDisruptionBudget that selects exactly its pods and
 // lets one go, and the Service of its encoder-facing port keeps a client on
-// one replica (pins are per replica).
+// one replica (its follow-ups find their pin in that replica's own table,
+// without a read from Redis).
 func TestKubeGatewayDeployment(t *testing.T) {
 	kit := kubeLoad(t)
 	var gw *kubeWorkload
@@ -1175,7 +1217,7 @@ func TestKubeGatewayDeployment(t *testing.T) {
 	for _, s := range kit.services {
 		if kubeSubset(s.Spec.Selector, gw.pod.Labels) && slices.ContainsFunc(s.Spec.Ports, func(p corev1.ServicePort) bool { return p.TargetPort.String() == "http" }) {
 			if s.Spec.SessionAffinity != corev1.ServiceAffinityClientIP {
-				t.Errorf("Service %s spreads one client's calls over the replicas (sessionAffinity %q): a follow-up on the replica without its pin waits affinity.unknown_wait", s.Name, s.Spec.SessionAffinity)
+				t.Errorf("Service %s spreads one client's calls over the replicas (sessionAffinity %q): each follow-up on a replica without its pin reads it from Redis, or waits there for its placement", s.Name, s.Spec.SessionAffinity)
 			}
 			return
 		}
@@ -1246,12 +1288,173 @@ func TestKubeServicesSelectPodsAndNamedPorts(t *testing.T) {
 	}
 }
 
-// TestKubeGatewayUsesTheKitsRedis: the gateway config stores /send records
-// in Redis, at the address of the kit's Redis Service, whose port reaches
-// a Redis container; that Redis requires the password the gateway reads
-// from redis.password_file: the same key of the same Secret.
-func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
-	kit := kubeLoad(t)
+// kubeRedisSet is the kit's Redis: the StatefulSet whose pods run the
+// script's server and sentinel roles, the script, and the headless Service
+// that names the pods.
+type kubeRedisSet struct {
+	w          kubeWorkload
+	sts        *appsv1.StatefulSet
+	server     *corev1.Container
+	sentinel   *corev1.Container
+	scriptPath string // where both containers read the script
+	script     string // the script, from the kit's ConfigMap
+	headless   *corev1.Service
+}
+
+// kubeScriptRole reads a container's command `sh SCRIPT ROLE`.
+func kubeScriptRole(c *corev1.Container) (script, role string, ok bool) {
+	if len(c.Command) == 3 && c.Command[0] == "sh" {
+		return c.Command[1], c.Command[2], true
+	}
+	return "", "", false
+}
+
+// redisSet finds the kit's Redis set and fails the test unless there is
+// exactly one, with a server and a sentinel container of the redis image
+// that run the same script, read from a ConfigMap of the kit.
+func (kit *kubeKit) redisSet(t *testing.T) kubeRedisSet {
+	t.Helper()
+	var found []kubeRedisSet
+	for _, w := range kit.workloads {
+		if w.kind != "StatefulSet" {
+			continue
+		}
+		rs := kubeRedisSet{w: w, sts: kit.docByName(t, w.kind, w.name).(*appsv1.StatefulSet)}
+		for i := range w.pod.Spec.Containers {
+			c := &w.pod.Spec.Containers[i]
+			script, role, ok := kubeScriptRole(c)
+			if !ok || !strings.HasPrefix(path.Base(c.Image), "redis:") {
+				continue
+			}
+			if rs.scriptPath != "" && script != rs.scriptPath {
+				t.Fatalf("%s: its containers run two scripts, %s and %s", w, rs.scriptPath, script)
+			}
+			rs.scriptPath = script
+			switch role {
+			case "server":
+				rs.server = c
+			case "sentinel":
+				rs.sentinel = c
+			default:
+				t.Fatalf("%s container %s: role %q, want server or sentinel", w, c.Name, role)
+			}
+		}
+		if rs.server != nil || rs.sentinel != nil {
+			found = append(found, rs)
+		}
+	}
+	if len(found) != 1 || found[0].server == nil || found[0].sentinel == nil {
+		t.Fatalf("want one StatefulSet whose pods run `sh SCRIPT server` and `sh SCRIPT sentinel` on the redis image, found %d", len(found))
+	}
+	rs := found[0]
+	for _, c := range []*corev1.Container{rs.server, rs.sentinel} {
+		script, err := kit.configMapFile(&rs.w.pod.Spec, c, rs.scriptPath)
+		if err != nil {
+			t.Fatalf("%s container %s: %v", rs.w, c.Name, err)
+		}
+		rs.script = script
+	}
+	for _, s := range kit.services {
+		if s.Name == rs.sts.Spec.ServiceName {
+			rs.headless = s
+		}
+	}
+	if rs.headless == nil {
+		t.Fatalf("%s: serviceName %q is no Service of the kit", rs.w, rs.sts.Spec.ServiceName)
+	}
+	return rs
+}
+
+// podNames are the set's pods' DNS names, pod.service, by ordinal.
+func (rs kubeRedisSet) podNames() []string {
+	n := 1
+	if rs.sts.Spec.Replicas != nil {
+		n = int(*rs.sts.Spec.Replicas)
+	}
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("%s-%d.%s", rs.sts.Name, i, rs.sts.Spec.ServiceName)
+	}
+	return out
+}
+
+// kubeEnvRef matches what the kubelet expands in an env value: $$ (a
+// literal $) and $(NAME).
+var kubeEnvRef = regexp.MustCompile(`\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// kubeContainerEnv is the environment the kubelet gives container c of pod
+// podName: $(NAME) in a value expanded from the variables before it,
+// fieldRef metadata.name the pod's name, secretKeyRef what secret gives.
+// Any other source fails the test.
+func kubeContainerEnv(t *testing.T, c *corev1.Container, podName string, secret func(corev1.SecretKeySelector) string) map[string]string {
+	t.Helper()
+	env := map[string]string{}
+	for _, ev := range c.Env {
+		switch {
+		case ev.ValueFrom == nil:
+			env[ev.Name] = kubeEnvRef.ReplaceAllStringFunc(ev.Value, func(ref string) string {
+				if ref == "$$" {
+					return "$"
+				}
+				if v, ok := env[ref[2:len(ref)-1]]; ok {
+					return v
+				}
+				return ref // the kubelet leaves an undefined reference as it is
+			})
+		case ev.ValueFrom.FieldRef != nil && ev.ValueFrom.FieldRef.FieldPath == "metadata.name":
+			env[ev.Name] = podName
+		case ev.ValueFrom.SecretKeyRef != nil:
+			env[ev.Name] = secret(*ev.ValueFrom.SecretKeyRef)
+		default:
+			t.Fatalf("container %s: env %s comes from a source this test does not know", c.Name, ev.Name)
+		}
+	}
+	return env
+}
+
+// kubeSecretEnv is the Secret key env var name of container c comes from.
+func kubeSecretEnv(c *corev1.Container, name string) (kubeSecretRef, error) {
+	for _, ev := range c.Env {
+		if ev.Name != name {
+			continue
+		}
+		if ev.ValueFrom == nil || ev.ValueFrom.SecretKeyRef == nil {
+			return kubeSecretRef{}, fmt.Errorf("env %s is not from a secretKeyRef (a password in the manifest is published)", name)
+		}
+		if o := ev.ValueFrom.SecretKeyRef.Optional; o != nil && *o {
+			return kubeSecretRef{}, fmt.Errorf("env %s: an optional secretKeyRef starts Redis without a password when the key is missing", name)
+		}
+		return kubeSecretRef{secret: ev.ValueFrom.SecretKeyRef.Name, key: ev.ValueFrom.SecretKeyRef.Key}, nil
+	}
+	return kubeSecretRef{}, fmt.Errorf("no env %s", name)
+}
+
+// kubeContainerPort is the one port container c declares.
+func kubeContainerPort(t *testing.T, c *corev1.Container) corev1.ContainerPort {
+	t.Helper()
+	if len(c.Ports) != 1 {
+		t.Fatalf("container %s declares %d ports, want 1", c.Name, len(c.Ports))
+	}
+	return c.Ports[0]
+}
+
+// serviceByHost is the Service of the kit a host name reaches from the
+// kit's namespace, nil if none.
+func (kit *kubeKit) serviceByHost(host string) *corev1.Service {
+	name := strings.TrimSuffix(host, ".")
+	for _, s := range kit.services {
+		for _, n := range []string{s.Name, s.Name + "." + kit.namespace, s.Name + "." + kit.namespace + ".svc", s.Name + "." + kit.namespace + ".svc.cluster.local"} {
+			if name == n {
+				return s
+			}
+		}
+	}
+	return nil
+}
+
+// kubeGatewayContainer is the kit's gateway container with its config.
+func (kit *kubeKit) gatewayContainer(t *testing.T) (kubeEncgateContainer, string) {
+	t.Helper()
 	for _, e := range kit.encgateContainers() {
 		if !kubeRunsSubcommand(e.c) || e.c.Args[0] != "gateway" {
 			continue
@@ -1264,95 +1467,123 @@ func TestKubeGatewayUsesTheKitsRedis(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		orig, _ := kubeLoadConfig(t, "gateway", content) // the Secret's paths
-		pwFile := orig.(gateway.Config).Redis.PasswordFile
-		if pwFile == "" {
-			t.Fatal("redis.password_file is not set: the kit's Redis requires a password")
-		}
-		pw, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, pwFile)
-		if err != nil {
-			t.Fatalf("redis.password_file: %v", err)
-		}
-		_, loaded := kit.localConfig(t, e, content, nil)
-		cfg := loaded.(gateway.Config)
-		if cfg.Idempotency.Store != "redis" {
-			t.Fatalf("idempotency.store %q: the replicas must share /send records (redis)", cfg.Idempotency.Store)
-		}
-		host, port := kubePort(t, cfg.Redis.Addr)
-		name := strings.TrimSuffix(host, ".")
-		var svc *corev1.Service
-		for _, s := range kit.services {
-			for _, n := range []string{s.Name, s.Name + "." + kit.namespace, s.Name + "." + kit.namespace + ".svc", s.Name + "." + kit.namespace + ".svc.cluster.local"} {
-				if name == n {
-					svc = s
-				}
-			}
-		}
-		if svc == nil {
-			t.Fatalf("redis.addr %s names no Service of the kit (in namespace %s)", cfg.Redis.Addr, kit.namespace)
-		}
-		var sp *corev1.ServicePort
-		for i := range svc.Spec.Ports {
-			if svc.Spec.Ports[i].Port == port {
-				sp = &svc.Spec.Ports[i]
-			}
-		}
-		if sp == nil {
-			t.Fatalf("redis.addr %s: Service %s has no port %d", cfg.Redis.Addr, svc.Name, port)
-		}
-		for _, w := range kit.workloads {
-			if !kubeSubset(svc.Spec.Selector, w.pod.Labels) {
-				continue
-			}
-			for _, c := range w.pod.Spec.Containers {
-				for _, cp := range c.Ports {
-					if cp.Name == sp.TargetPort.String() || strconv.Itoa(int(cp.ContainerPort)) == sp.TargetPort.String() {
-						if !strings.HasPrefix(path.Base(c.Image), "redis:") || !slices.Contains(c.Args, "redis-server") {
-							t.Errorf("Service %s reaches %s (image %s, args %q), not a redis-server", svc.Name, w, c.Image, c.Args)
-						}
-						if w.replicas == nil || *w.replicas != 1 {
-							t.Errorf("%s: replicas %s: the minimal Redis is one server", w, kubeCount(w.replicas))
-						}
-						if got, err := kubeRequirePass(&c); err != nil {
-							t.Errorf("%s: %v", w, err)
-						} else if got.secret != pw.secret || got.key != pw.key {
-							t.Errorf("%s requires the password of Secret %s key %s, the gateway reads Secret %s key %s", w, got.secret, got.key, pw.secret, pw.key)
-						}
-						return
-					}
-				}
-			}
-		}
-		t.Fatalf("Service %s port %d reaches no container", svc.Name, port)
+		return e, content
 	}
 	t.Fatal("no gateway container")
+	return kubeEncgateContainer{}, ""
 }
 
-// kubeRequirePass is the Secret key a redis-server container takes its
-// --requirepass from: the argument names an environment variable, as
-// $(NAME), that comes from a secretKeyRef (kubelet expansion, no shell).
-func kubeRequirePass(c *corev1.Container) (kubeSecretRef, error) {
-	i := slices.Index(c.Args, "--requirepass")
-	if i < 0 || i+1 == len(c.Args) {
-		return kubeSecretRef{}, fmt.Errorf("args %q set no --requirepass", c.Args)
+// TestKubeGatewayUsesTheKitsSentinels: the gateway config keeps its shared
+// state in Redis through Sentinel: every sentinel_addrs entry is a port of a
+// Service of the kit that reaches the sentinels of the kit's Redis set,
+// master_name is the name they monitor, and the servers and sentinels
+// require the password the gateway reads from password_file and
+// sentinel_password_file, the same key of the same Secret. The set is
+// three pods with stable names (a headless Service that publishes pods not
+// yet ready, which the set's first start needs), which the script's SELF
+// and NODES name, on the ports the containers declare; a
+// PodDisruptionBudget lets one go at a time, so two sentinels keep the
+// quorum.
+func TestKubeGatewayUsesTheKitsSentinels(t *testing.T) {
+	kit := kubeLoad(t)
+	e, content := kit.gatewayContainer(t)
+	orig, _ := kubeLoadConfig(t, "gateway", content) // the Secret's paths
+	rc := orig.(gateway.Config).Redis
+	var pw kubeSecretRef
+	for field, file := range map[string]string{"redis.password_file": rc.PasswordFile, "redis.sentinel_password_file": rc.SentinelPasswordFile} {
+		if file == "" {
+			t.Fatalf("%s is not set: the kit's Redis servers and sentinels require a password", field)
+		}
+		ref, err := kit.checkSecretFile(&e.w.pod.Spec, e.c, file)
+		if err != nil {
+			t.Fatalf("%s: %v", field, err)
+		}
+		if pw.secret != "" && (ref.secret != pw.secret || ref.key != pw.key) {
+			t.Errorf("%s is Secret %s key %s, the other password file Secret %s key %s: the sentinels require the servers' password", field, ref.secret, ref.key, pw.secret, pw.key)
+		}
+		pw = ref
 	}
-	m := regexp.MustCompile(`^\$\(([A-Za-z_][A-Za-z0-9_]*)\)$`).FindStringSubmatch(c.Args[i+1])
-	if m == nil {
-		return kubeSecretRef{}, fmt.Errorf("--requirepass %q: want $(NAME) of an env var from the Secret (a password in the manifest is published)", c.Args[i+1])
+	_, loaded := kit.localConfig(t, e, content, nil)
+	cfg := loaded.(gateway.Config)
+	if cfg.Idempotency.Store != "redis" {
+		t.Fatalf("idempotency.store %q: the replicas must share their state (redis)", cfg.Idempotency.Store)
 	}
-	for _, ev := range c.Env {
-		if ev.Name != m[1] {
+	if cfg.Redis.Mode != "sentinel" || len(cfg.Redis.SentinelAddrs) == 0 {
+		t.Fatalf("redis.mode %q with sentinel_addrs %v: the kit's Redis is a Sentinel set", cfg.Redis.Mode, cfg.Redis.SentinelAddrs)
+	}
+
+	rs := kit.redisSet(t)
+	if rs.sts.Spec.Replicas == nil || *rs.sts.Spec.Replicas != 3 {
+		t.Errorf("%s: replicas %s, want 3 (a master, two replicas, three sentinels for a quorum of 2)", rs.w, kubeCount(rs.sts.Spec.Replicas))
+	}
+	serverPort, sentinelPort := kubeContainerPort(t, rs.server), kubeContainerPort(t, rs.sentinel)
+	for _, c := range []*corev1.Container{rs.server, rs.sentinel} {
+		ref, err := kubeSecretEnv(c, "REDIS_PASSWORD")
+		if err != nil {
+			t.Errorf("%s container %s: %v", rs.w, c.Name, err)
+		} else if ref.secret != pw.secret || ref.key != pw.key {
+			t.Errorf("%s container %s requires the password of Secret %s key %s, the gateway reads Secret %s key %s", rs.w, c.Name, ref.secret, ref.key, pw.secret, pw.key)
+		}
+		names := rs.podNames()
+		for i, pod := range names {
+			env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", rs.sts.Name, i), func(corev1.SecretKeySelector) string { return kubeTestToken })
+			want := map[string]string{
+				"SELF":          pod,
+				"NODES":         strings.Join(names, " "),
+				"MASTER_NAME":   cfg.Redis.MasterName,
+				"REDIS_PORT":    strconv.Itoa(int(serverPort.ContainerPort)),
+				"SENTINEL_PORT": strconv.Itoa(int(sentinelPort.ContainerPort)),
+			}
+			for k, v := range want {
+				if env[k] != v {
+					t.Errorf("%s container %s, pod %d: %s is %q, want %q", rs.w, c.Name, i, k, env[k], v)
+				}
+			}
+			if _, ok := env["BIND"]; ok {
+				t.Errorf("%s container %s sets BIND: the pods listen on every interface", rs.w, c.Name)
+			}
+		}
+	}
+	if h := rs.headless; h.Spec.ClusterIP != corev1.ClusterIPNone || !h.Spec.PublishNotReadyAddresses || !kubeSubset(h.Spec.Selector, rs.w.pod.Labels) {
+		t.Errorf("Service %s (the StatefulSet's serviceName): clusterIP %q, publishNotReadyAddresses %v, selector %v: want a headless Service of the set's pods that publishes them before they are ready",
+			h.Name, h.Spec.ClusterIP, h.Spec.PublishNotReadyAddresses, h.Spec.Selector)
+	}
+
+	for i, addr := range cfg.Redis.SentinelAddrs {
+		host, port := kubePort(t, addr)
+		svc := kit.serviceByHost(host)
+		if svc == nil {
+			t.Errorf("redis.sentinel_addrs[%d] %s names no Service of the kit (in namespace %s)", i, addr, kit.namespace)
 			continue
 		}
-		if ev.ValueFrom == nil || ev.ValueFrom.SecretKeyRef == nil {
-			return kubeSecretRef{}, fmt.Errorf("env %s is not from a secretKeyRef", ev.Name)
+		if !kubeSubset(svc.Spec.Selector, rs.w.pod.Labels) {
+			t.Errorf("redis.sentinel_addrs[%d] %s: Service %s does not select %s's pods", i, addr, svc.Name, rs.w)
 		}
-		if o := ev.ValueFrom.SecretKeyRef.Optional; o != nil && *o {
-			return kubeSecretRef{}, fmt.Errorf("env %s: an optional secretKeyRef starts Redis without a password when the key is missing", ev.Name)
+		j := slices.IndexFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return p.Port == port })
+		if j < 0 {
+			t.Errorf("redis.sentinel_addrs[%d] %s: Service %s has no port %d", i, addr, svc.Name, port)
+		} else if tp := svc.Spec.Ports[j].TargetPort.String(); tp != sentinelPort.Name && tp != strconv.Itoa(int(sentinelPort.ContainerPort)) {
+			t.Errorf("redis.sentinel_addrs[%d] %s: Service %s port %d targets %s, not the sentinel container's port %s", i, addr, svc.Name, port, tp, sentinelPort.Name)
 		}
-		return kubeSecretRef{secret: ev.ValueFrom.SecretKeyRef.Name, key: ev.ValueFrom.SecretKeyRef.Key}, nil
 	}
-	return kubeSecretRef{}, fmt.Errorf("--requirepass names $(%s), which the container's env does not define (the kubelet would pass it literally)", m[1])
+
+	pdbs := 0
+	for _, pdb := range kit.pdbs {
+		if !kubeSelects(t, pdb.Spec.Selector, rs.w.pod.Labels) {
+			continue
+		}
+		pdbs++
+		mu, ma := pdb.Spec.MaxUnavailable, pdb.Spec.MinAvailable
+		switch {
+		case mu != nil && ma == nil && mu.Type == intstr.Int && mu.IntVal == 1:
+		case ma != nil && mu == nil && ma.Type == intstr.Int && rs.sts.Spec.Replicas != nil && ma.IntVal == *rs.sts.Spec.Replicas-1:
+		default:
+			t.Errorf("PodDisruptionBudget %s: maxUnavailable %v, minAvailable %v: want one pod of the set down at a time", pdb.Name, mu, ma)
+		}
+	}
+	if pdbs != 1 {
+		t.Errorf("%d PodDisruptionBudgets select %s's pods, want 1", pdbs, rs.w)
+	}
 }
 
 // kubeKeyPaths lists the dotted key paths of a YAML document's mappings
@@ -1459,7 +1690,7 @@ func TestKubeSecretPlaceholdersAreRefused(t *testing.T) {
 			checked[sub+" "+yp]++
 		}
 	}
-	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway redis.password_file"} {
+	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway redis.password_file", "gateway redis.sentinel_password_file"} {
 		if checked[want] == 0 {
 			t.Errorf("no Secret placeholder checked for the %s: the config reads no such file", want)
 		}
@@ -1534,6 +1765,34 @@ func (p *kubeProcess) logText() string {
 	return p.log.String()
 }
 
+// kubePosted is an answer to kubePost.
+type kubePosted struct {
+	status   int
+	body     string
+	replayed bool // X-Encgate-Replayed: true
+}
+
+func kubePost(t *testing.T, url, body string) kubePosted {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	return kubePosted{resp.StatusCode, string(b), resp.Header.Get("X-Encgate-Replayed") == "true"}
+}
+
 func kubeGet(t *testing.T, url, token string) int {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -1556,9 +1815,10 @@ func kubeGet(t *testing.T, url, token string) int {
 
 // TestKubeProbesAnswerOnTheRealProcesses runs each encgate container's
 // args on its ConfigMap's config (addresses moved to loopback, secret files
-// and the Redis address, of a Redis requiring the password, to the test's
-// own) and asks each of its probe
-// paths where the probe points: 200. The gateway's drain is what the
+// to the test's own, and the gateway's sentinel_addrs to a Sentinel set
+// whose servers and sentinels require the password) and asks each of its
+// probe paths where the probe points: 200. The gateway dedupes a /send
+// through the master the sentinels name. The gateway's drain is what the
 // probes are sized for: after SIGTERM /readyz fails while /healthz passes
 // and the listener still accepts.
 func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
@@ -1580,12 +1840,27 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 			}
 			sets := map[string]string{"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}
 			var sockDir string
+			var sn *redistest.Sentinel
+			var enc *fakeencoder.Encoder
 			switch sub {
 			case "gateway":
 				sets["bootstrap.listen"] = "127.0.0.1:0"
-				// The kit's Redis requires the password the gateway reads
-				// from its password_file: kubeTestToken here.
-				sets["redis.addr"] = redistest.Start(t, redistest.WithPassword(kubeTestToken)).Addr()
+				// The kit's Redis servers and sentinels require the
+				// password the gateway reads from password_file and
+				// sentinel_password_file: kubeTestToken here. The
+				// sentinels' loopback addresses stand for the kit's
+				// Service, and a fake encoder for the fleet.
+				sn = redistest.StartSentinel(t, redistest.WithPassword(kubeTestToken), redistest.WithSentinelPassword(kubeTestToken))
+				sets["redis.master_name"] = sn.MasterName()
+				enc = fakeencoder.New(fakeencoder.Options{Name: "enc-a", Mode: fakeencoder.ModeMooncake})
+				if err := enc.Start("127.0.0.1:0"); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = enc.Close() })
+				content = kubeSetYAMLNodes(t, content, map[string]*yaml.Node{
+					"redis.sentinel_addrs": kubeYAMLJSON(t, sn.SentinelAddrs()),
+					"encoders":             kubeYAMLJSON(t, []map[string]string{{"name": "enc-a", "url": enc.URL()}}),
+				})
 			case "agent":
 				// Short: a Unix socket path has 107 bytes at most.
 				sockDir, err = os.MkdirTemp("", "kube")
@@ -1651,10 +1926,33 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 					t.Errorf("the agent did not drain cleanly on SIGTERM: %v\n%s", err, proc.logText())
 				}
 			case "gateway":
-				// admin.token_file's token guards /admin/...; with it, a
+				// A /send reaches the encoder once through the master the
+				// sentinels name: the record the first one wrote there is
+				// what its duplicate replays.
+				const id = "kube_local_part_0"
+				if r := kubePost(t, "http://"+listen+"/encode", fmt.Sprintf(`{"req_id":%q,"mm_items":["x"],"modality":"IMAGE","num_parts":1,"part_idx":0,"prefill_host":"10.0.0.1","embedding_port":null}`, id)); r.status != http.StatusOK {
+					t.Fatalf("/encode: %+v", r)
+				}
+				send := fmt.Sprintf(`{"req_id":%q,"part_idx":0,"prefill_host":"10.0.0.1","embedding_port":40000,"session_id":"10.0.0.1:17000","buffer_address":4096,"receive_count":1}`, id)
+				first, again := kubePost(t, "http://"+listen+"/send", send), kubePost(t, "http://"+listen+"/send", send)
+				if first.status != http.StatusOK || first.replayed || again.status != http.StatusOK || !again.replayed || again.body != first.body {
+					t.Errorf("a /send and its duplicate through Sentinel: first %+v, again %+v; want 200, then 200 replayed", first, again)
+				}
+				if n := enc.Stats().Sends[id+"|10.0.0.1:40000"]; n != 1 {
+					t.Errorf("the encoder received the /send %d times, want 1", n)
+				}
+				master := goredis.NewClient(&goredis.Options{Addr: sn.MasterAddr(), Password: kubeTestToken})
+				defer master.Close()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				keys, err := master.Keys(ctx, cfg.(gateway.Config).Redis.KeyPrefix+"{"+id+"}*").Result()
+				cancel()
+				if err != nil || len(keys) == 0 {
+					t.Errorf("the master the sentinels name holds no key of %s: %v, %v", id, keys, err)
+				}
+				// admin.token_file's token guards /admin/...; with it, the
 				// /send record is read from Redis, which took the password
 				// of password_file (a refused AUTH is a 503 here).
-				sends := "http://" + admin + "/admin/sends/kube_local_part_0"
+				sends := "http://" + admin + "/admin/sends/" + id
 				if code := kubeGet(t, sends, ""); code != http.StatusUnauthorized {
 					t.Errorf("GET /admin/sends without the admin token: %d, want 401", code)
 				}
@@ -1719,4 +2017,443 @@ func TestKubeKustomizeBuild(t *testing.T) {
 	if !slices.Equal(rendered, raw) {
 		t.Errorf("kustomize renders %v, the manifests hold %v", rendered, raw)
 	}
+}
+
+// kubeRedisRun runs the kit's Redis set on this machine as the StatefulSet
+// runs it: the script from the ConfigMap, each container's command, args
+// and environment (as the kubelet computes it), each pod on a loopback
+// address of its own, which stands for its DNS name.
+type kubeRedisRun struct {
+	t       *testing.T
+	rs      kubeRedisSet
+	script  string   // the script's file here
+	home    string   // HOME for every process
+	ips     []string // pod i's address
+	names   []string // pod i's DNS name in the kit
+	redisP  int
+	sentP   int
+	pods    []*kubeRedisPod
+	running map[*exec.Cmd]chan struct{} // closed when the process ends
+	clients map[string]*goredis.Client
+}
+
+// kubeRedisPod is one pod: its emptyDirs (kept across its containers'
+// restarts) and its containers' processes.
+type kubeRedisPod struct {
+	dirs             map[string]string // container name: its working directory
+	server, sentinel *exec.Cmd
+}
+
+// kubeLoopbackPorts finds two ports free on every address of ips.
+func kubeLoopbackPorts(t *testing.T, ips []string) (int, int) {
+	t.Helper()
+	var ports []int
+	for try := 0; len(ports) < 2 && try < 50; try++ {
+		l, err := net.Listen("tcp", net.JoinHostPort(ips[0], "0"))
+		if err != nil {
+			t.Skipf("cannot listen on %s (this test gives each pod a loopback address of its own): %v", ips[0], err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		free := !slices.Contains(ports, port)
+		var held []net.Listener
+		for _, ip := range ips[1:] {
+			m, err := net.Listen("tcp", net.JoinHostPort(ip, strconv.Itoa(port)))
+			if err != nil {
+				free = false
+				break
+			}
+			held = append(held, m)
+		}
+		l.Close()
+		for _, m := range held {
+			m.Close()
+		}
+		if free {
+			ports = append(ports, port)
+		}
+	}
+	if len(ports) < 2 {
+		t.Fatalf("no two ports free on all of %v", ips)
+	}
+	return ports[0], ports[1]
+}
+
+func newKubeRedisRun(t *testing.T, rs kubeRedisSet) *kubeRedisRun {
+	t.Helper()
+	for _, bin := range []string{"sh", "timeout", redistest.Binary, redistest.SentinelBinary, "redis-cli"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Skipf("%s is not installed", bin)
+		}
+	}
+	r := &kubeRedisRun{t: t, rs: rs, names: rs.podNames(), running: map[*exec.Cmd]chan struct{}{}, clients: map[string]*goredis.Client{}}
+	for i := range r.names {
+		r.ips = append(r.ips, fmt.Sprintf("127.0.0.%d", i+2))
+	}
+	r.redisP, r.sentP = kubeLoopbackPorts(t, r.ips)
+	r.home = t.TempDir()
+	r.script = filepath.Join(t.TempDir(), "redis.sh")
+	if err := os.WriteFile(r.script, []byte(rs.script), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.pods = make([]*kubeRedisPod, len(r.names))
+	t.Cleanup(func() {
+		for cmd, done := range r.running {
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	return r
+}
+
+// env is container c's environment in pod i, moved to this machine: the
+// pods' DNS names in SELF and NODES become their addresses, the ports the
+// test's, BIND the pod's address, and the password the test's.
+func (r *kubeRedisRun) env(i int, c *corev1.Container) []string {
+	t := r.t
+	env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", r.rs.sts.Name, i), func(corev1.SecretKeySelector) string { return kubeTestToken })
+	addr := func(name string) string {
+		j := slices.Index(r.names, name)
+		if j < 0 {
+			t.Fatalf("container %s names %q, which is none of the pods %v", c.Name, name, r.names)
+		}
+		return r.ips[j]
+	}
+	var nodes []string
+	for n := range strings.FieldsSeq(env["NODES"]) {
+		nodes = append(nodes, addr(n))
+	}
+	env["SELF"] = addr(env["SELF"])
+	env["NODES"] = strings.Join(nodes, " ")
+	env["REDIS_PORT"], env["SENTINEL_PORT"] = strconv.Itoa(r.redisP), strconv.Itoa(r.sentP)
+	env["BIND"] = r.ips[i]
+	out := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + r.home}
+	for k, v := range env {
+		out = append(out, k+"="+v)
+	}
+	return out
+}
+
+// command is an exec command of the manifest with the script's path
+// moved to this machine's copy.
+func (r *kubeRedisRun) command(argv []string) []string {
+	out := slices.Clone(argv)
+	for j, a := range out {
+		if a == r.rs.scriptPath {
+			out[j] = r.script
+		}
+	}
+	return out
+}
+
+// startContainer starts container c of pod i (a first start or the
+// kubelet's restart: the pod's emptyDir stays), its output in a log file.
+func (r *kubeRedisRun) startContainer(i int, c *corev1.Container) *exec.Cmd {
+	t := r.t
+	p := r.pods[i]
+	argv := append(r.command(c.Command), c.Args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = r.env(i, c)
+	cmd.Dir = p.dirs[c.Name]
+	log, err := os.OpenFile(filepath.Join(cmd.Dir, "..", c.Name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer log.Close()
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	r.running[cmd] = done
+	go func() { _ = cmd.Wait(); close(done) }()
+	return cmd
+}
+
+// startPod creates pod i afresh (new emptyDirs) and starts its containers.
+func (r *kubeRedisRun) startPod(i int) {
+	dir := r.t.TempDir()
+	p := &kubeRedisPod{dirs: map[string]string{}}
+	for _, c := range []*corev1.Container{r.rs.server, r.rs.sentinel} {
+		p.dirs[c.Name] = filepath.Join(dir, c.Name)
+		if err := os.Mkdir(p.dirs[c.Name], 0o700); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	r.pods[i] = p
+	p.server = r.startContainer(i, r.rs.server)
+	p.sentinel = r.startContainer(i, r.rs.sentinel)
+}
+
+// kill ends a container's process as a crash would.
+func (r *kubeRedisRun) kill(cmd *exec.Cmd) {
+	_ = cmd.Process.Kill()
+	<-r.running[cmd]
+	delete(r.running, cmd)
+}
+
+// ready runs both containers' readiness probes, as the kubelet would.
+func (r *kubeRedisRun) ready(i int) error {
+	for _, c := range []*corev1.Container{r.rs.server, r.rs.sentinel} {
+		if c.ReadinessProbe == nil || c.ReadinessProbe.Exec == nil {
+			r.t.Fatalf("container %s has no exec readinessProbe", c.Name)
+		}
+		argv := r.command(c.ReadinessProbe.Exec.Command)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+		cmd.Env = r.env(i, c)
+		out, err := cmd.CombinedOutput()
+		cancel()
+		if err != nil {
+			return fmt.Errorf("pod %d container %s: readiness probe: %v %s", i, c.Name, err, out)
+		}
+	}
+	return nil
+}
+
+// logs is every container's log, for failure messages.
+func (r *kubeRedisRun) logs() string {
+	var b strings.Builder
+	for i, p := range r.pods {
+		if p == nil {
+			continue
+		}
+		for _, c := range []*corev1.Container{r.rs.server, r.rs.sentinel} {
+			data, _ := os.ReadFile(filepath.Join(p.dirs[c.Name], "..", c.Name+".log"))
+			if len(data) > 4000 {
+				data = data[len(data)-4000:]
+			}
+			fmt.Fprintf(&b, "--- pod %d (%s) %s:\n%s\n", i, r.ips[i], c.Name, data)
+		}
+	}
+	return b.String()
+}
+
+// eventually polls f (the processes give no signal to wait on) until it
+// returns nil; the test fails with the logs after two minutes.
+func (r *kubeRedisRun) eventually(what string, f func() error) {
+	r.t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("%s: still not so after two minutes: %v\n%s", what, err, r.logs())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// client is a client of pod i's server or sentinel (one per address: it
+// reconnects to the same address after a restart).
+func (r *kubeRedisRun) client(i, port int) *goredis.Client {
+	addr := net.JoinHostPort(r.ips[i], strconv.Itoa(port))
+	if c, ok := r.clients[addr]; ok {
+		return c
+	}
+	// RESP2: SENTINEL MASTER and REPLICAS answer flat field/value lists.
+	c := goredis.NewClient(&goredis.Options{Addr: addr, Password: kubeTestToken, Protocol: 2,
+		DialTimeout: time.Second, ReadTimeout: time.Second, WriteTimeout: time.Second, MaxRetries: -1})
+	r.clients[addr] = c
+	r.t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// settled is nil once the pods up are one set with pod master its master:
+// every sentinel of them names it and sees the other servers as its
+// replicas and the other sentinels, with quorum 2; every other server
+// replicates it, its link up.
+func (r *kubeRedisRun) settled(master string, up []int, masterName string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, i := range up {
+		sn := r.client(i, r.sentP)
+		m, err := sn.Do(ctx, "SENTINEL", "MASTER", masterName).Slice()
+		if err != nil {
+			return fmt.Errorf("sentinel %d: %w", i, err)
+		}
+		f := map[string]string{}
+		for j := 0; j+1 < len(m); j += 2 {
+			f[fmt.Sprint(m[j])] = fmt.Sprint(m[j+1])
+		}
+		want := map[string]string{"ip": master, "port": strconv.Itoa(r.redisP), "flags": "master", "quorum": "2",
+			"num-other-sentinels": strconv.Itoa(len(r.ips) - 1)}
+		for k, v := range want {
+			if f[k] != v {
+				return fmt.Errorf("sentinel %d: SENTINEL MASTER %s: %s is %q, want %q", i, masterName, k, f[k], v)
+			}
+		}
+		reps, err := sn.Do(ctx, "SENTINEL", "REPLICAS", masterName).Slice()
+		if err != nil {
+			return fmt.Errorf("sentinel %d: %w", i, err)
+		}
+		ok := 0
+		for _, rep := range reps {
+			fields, _ := rep.([]any)
+			g := map[string]string{}
+			for j := 0; j+1 < len(fields); j += 2 {
+				g[fmt.Sprint(fields[j])] = fmt.Sprint(fields[j+1])
+			}
+			if g["flags"] == "slave" && g["master-link-status"] == "ok" && g["master-host"] == master {
+				ok++
+			}
+		}
+		if ok != len(up)-1 {
+			return fmt.Errorf("sentinel %d sees %d replicas of %s in sync, want %d", i, ok, master, len(up)-1)
+		}
+	}
+	for _, i := range up {
+		info, err := r.client(i, r.redisP).Info(ctx, "replication").Result()
+		if err != nil {
+			return fmt.Errorf("server %d: %w", i, err)
+		}
+		want := []string{"role:slave", "master_host:" + master, "master_link_status:up"}
+		if r.ips[i] == master {
+			want = []string{"role:master", fmt.Sprintf("connected_slaves:%d", len(up)-1)}
+		}
+		for _, w := range want {
+			if !slices.Contains(strings.Split(strings.ReplaceAll(info, "\r", ""), "\n"), w) {
+				return fmt.Errorf("server %d: INFO replication has no %s:\n%s", i, w, info)
+			}
+		}
+	}
+	return nil
+}
+
+// TestKubeRedisSetSurvivesItsMasterFailing runs the kit's Redis set as the
+// StatefulSet runs it (kubeRedisRun): the pods start in order, each once
+// the one before passes its readiness probes, and settle as one set, pod 0
+// the master. The gateway's own Redis client, built from the kit's gateway
+// config (sentinel_addrs moved to the pods' addresses), writes through it
+// and follows, with no change, every failover below; nothing written
+// before one, and replicated, is lost:
+//   - the master's server crashes and the kubelet restarts it at once: the
+//     sentinels still name it, so the script has them fail over and starts
+//     it as a replica, never as an empty master its replicas would copy;
+//   - the new master's pod goes away and stays away: the two sentinels left
+//     (quorum 2, authenticating to each other) fail over by themselves;
+//     the pod comes back as a replica.
+func TestKubeRedisSetSurvivesItsMasterFailing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs three Redis servers and three sentinels through the kit's script")
+	}
+	kit := kubeLoad(t)
+	rs := kit.redisSet(t)
+	r := newKubeRedisRun(t, rs)
+	e, content := kit.gatewayContainer(t)
+	var sentinels []string
+	for _, ip := range r.ips {
+		sentinels = append(sentinels, net.JoinHostPort(ip, strconv.Itoa(r.sentP)))
+	}
+	content = kubeSetYAMLNodes(t, content, map[string]*yaml.Node{"redis.sentinel_addrs": kubeYAMLJSON(t, sentinels)})
+	_, loaded := kit.localConfig(t, e, content, nil)
+	rc := loaded.(gateway.Config).Redis
+	all := []int{0, 1, 2}
+	if len(r.ips) != len(all) {
+		t.Fatalf("the set has %d pods, this test runs 3", len(r.ips))
+	}
+
+	for i := range r.ips {
+		r.startPod(i)
+		r.eventually(fmt.Sprintf("pod %d ready", i), func() error { return r.ready(i) })
+	}
+	r.eventually("the set settled, pod 0 the master", func() error { return r.settled(r.ips[0], all, rc.MasterName) })
+
+	gw, err := redisclient.New(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gw.Close()
+	written := map[string]string{}
+	// write sets key through the gateway's client, and waits until the
+	// replicas up hold it: the set keeps what its replicas hold
+	// (replication is asynchronous).
+	write := func(key string, replicas int) {
+		t.Helper()
+		r.eventually("the gateway's client writes "+key, func() error {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if err := gw.Set(ctx, key, key+"-value", 0).Err(); err != nil {
+				return err
+			}
+			if n, err := gw.Do(ctx, "WAIT", replicas, 5000).Int(); err != nil || n != replicas {
+				return fmt.Errorf("WAIT %d: %d replicas, %v", replicas, n, err)
+			}
+			return nil
+		})
+		written[key] = key + "-value"
+	}
+	readAll := func(what string) {
+		t.Helper()
+		r.eventually(what, func() error {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			for k, v := range written {
+				if got, err := gw.Get(ctx, k).Result(); err != nil || got != v {
+					return fmt.Errorf("GET %s: %q, %v", k, got, err)
+				}
+			}
+			return nil
+		})
+	}
+	masterNow := func() int {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		for _, i := range all {
+			if role, err := r.client(i, r.redisP).Do(ctx, "ROLE").Slice(); err == nil && len(role) > 0 && role[0] == "master" {
+				return i
+			}
+		}
+		t.Fatalf("no server is the master\n%s", r.logs())
+		return -1
+	}
+	write("kube:first", 2)
+
+	// The master's server crashes; the kubelet restarts it at once.
+	r.kill(r.pods[0].server)
+	r.pods[0].server = r.startContainer(0, rs.server)
+	var promoted int
+	r.eventually("a replica promoted, pod 0 back as its replica", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		addr, err := r.client(1, r.sentP).Do(ctx, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", rc.MasterName).StringSlice()
+		if err != nil || len(addr) != 2 || addr[0] == r.ips[0] {
+			return fmt.Errorf("the sentinels name %v (%v)", addr, err)
+		}
+		promoted = slices.Index(r.ips, addr[0])
+		return r.settled(addr[0], all, rc.MasterName)
+	})
+	readAll("the gateway's client reads what it wrote before the crash")
+	if got, err := r.client(0, r.redisP).Get(context.Background(), "kube:first").Result(); err != nil || got != written["kube:first"] {
+		t.Errorf("pod 0, back as a replica, holds kube:first %q (%v): it did not copy the new master", got, err)
+	}
+	write("kube:second", 2)
+
+	// The new master's pod goes away: server and sentinel, for good.
+	gone := masterNow()
+	if gone != promoted {
+		t.Fatalf("pod %d is the master, the sentinels named pod %d", gone, promoted)
+	}
+	r.kill(r.pods[gone].server)
+	r.kill(r.pods[gone].sentinel)
+	left := slices.DeleteFunc(slices.Clone(all), func(i int) bool { return i == gone })
+	r.eventually("the two sentinels left fail over", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		for _, i := range left {
+			addr, err := r.client(i, r.sentP).Do(ctx, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", rc.MasterName).StringSlice()
+			if err != nil || len(addr) != 2 || addr[0] == r.ips[gone] {
+				return fmt.Errorf("sentinel %d names %v (%v)", i, addr, err)
+			}
+		}
+		return nil
+	})
+	readAll("the gateway's client reads what it wrote, from the master the sentinels left chose")
+	write("kube:third", 1)
+	r.startPod(gone)
+	r.eventually(fmt.Sprintf("pod %d ready again", gone), func() error { return r.ready(gone) })
+	r.eventually("the set settled again, all three pods in it", func() error { return r.settled(r.ips[masterNow()], all, rc.MasterName) })
+	readAll("the gateway's client reads everything it wrote")
 }
