@@ -118,7 +118,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1fx", a / b }'; }
 	echo
 	echo "### Round trips per flow"
 	echo
-	echo "Counted by a \`redis.Hook\` on each replica's client (\`TestRedisRoundTripsPerFlow\`, which fails if any count below regresses). Two replicas, A and B, on one loopback Redis; a flow is one part: its \`/encode\` on A, then its follow-ups. \"Before the forward\": the round trips made before the \`/send\` reached the encoder. The memory store makes none of them: only the pins (and the registry) of a gateway without Redis are local too, so every row is 0 there."
+	echo "Counted by a \`redis.Hook\` on each replica's client (\`TestRedisRoundTripsPerFlow\`, which fails if any count below regresses). Two replicas, A and B, on one loopback Redis; a flow is one part: its \`/encode\` on A, then its follow-ups. \"Before the forward\": the round trips made before the \`/send\` reached the encoder (noted by a proxy in front of the fake encoders). With the memory store a gateway has no Redis client at all (its pins and registry are in process too), so every call there costs 0. Warm: the scripts are in Redis and the pools hold their connections (the first flow on a fresh Redis is counted below the table)."
 	echo
 	cat "$tmp/flows.md"
 	echo

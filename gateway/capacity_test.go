@@ -223,6 +223,26 @@ func TestRedisRoundTripsPerFlow(t *testing.T) {
 
 	if out := os.Getenv(capacityOutEnv); out != "" {
 		var b strings.Builder
+		writeSummary(&b, runs[0].steps, runs[1].steps, runs[2].steps, func(tp int) (local, other int) {
+			for _, fr := range runs {
+				if fr.tp != tp {
+					continue
+				}
+				n := 0
+				for _, s := range fr.steps {
+					if !strings.HasPrefix(s.what, "/send, replayed") {
+						n += s.ops.rtts()
+					}
+				}
+				if fr.steps[1].replica == 0 && fr.steps[3].replica == 0 {
+					local = n
+				} else {
+					other = max(other, n)
+				}
+			}
+			return local, other
+		})
+		fmt.Fprintf(&b, "\nEvery call, as measured:\n\n")
 		fmt.Fprintf(&b, "| flow | call | on | round trips | of them before the forward | Redis commands | what is sent, in order |\n")
 		fmt.Fprintf(&b, "|---|---|---|---:|---:|---:|---|\n")
 		for _, fr := range runs {
@@ -291,6 +311,43 @@ func TestRedisRoundTripsPerFlow(t *testing.T) {
 				t.Errorf("%s: %s reached the encoder", fr.name, s.what)
 			}
 		}
+	}
+}
+
+// writeSummary writes the per-store table: what each kind of call costs,
+// from the TP=2 flows all on A (local), with pull and /sends on B (pulled),
+// and with the pull on A and the /sends on B (sent); flow gives a whole
+// flow's round trips for a TP, all on A and at most elsewhere.
+func writeSummary(b *strings.Builder, local, pulled, sent []step, flow func(tp int) (local, other int)) {
+	find := func(steps []step, what string) step {
+		for _, s := range steps {
+			if s.what == what {
+				return s
+			}
+		}
+		return step{beforeFwd: -1}
+	}
+	row := func(call string, s step) {
+		before := ""
+		if s.beforeFwd >= 0 {
+			before = fmt.Sprintf(" (%d before the forward)", s.beforeFwd)
+		}
+		sent := strings.Join(s.ops.trips, ", ")
+		if sent == "" {
+			sent = "nothing"
+		}
+		fmt.Fprintf(b, "| %s | 0 | %d%s | %s |\n", call, s.ops.rtts(), before, sent)
+	}
+	fmt.Fprintf(b, "| call | memory store: round trips | Redis store: round trips | Redis: what is sent |\n|---|---:|---|---|\n")
+	row("`/encode`", find(local, "/encode"))
+	row("metadata pull or GEN0 registration, on a replica holding the pin", find(local, "metadata pull"))
+	row("metadata pull or GEN0 registration, on a replica without the pin (first follow-up of the part there)", find(pulled, "metadata pull"))
+	row("first-time `/send`, pin on this replica", find(local, "/send, first time"))
+	row("first-time `/send`, first follow-up of the part on this replica", find(sent, "/send, first time"))
+	row("replayed `/send`, any replica", find(local, "/send, replayed"))
+	for _, tp := range []int{2, 8} {
+		l, o := flow(tp)
+		fmt.Fprintf(b, "| **a flow, TP=%d**: `/encode`, pull, registration, %d first-time `/send`s | 0 | **%d** all on the `/encode`'s replica; %d with the follow-ups on another | |\n", tp, tp, l, o)
 	}
 }
 
