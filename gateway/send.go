@@ -30,15 +30,17 @@ const notForwardedMayRetry = "this call forwarded nothing, so the caller may ret
 // serveSend is the dedupe step of /send: exactly one call per (req_id,
 // destination) reaches the encoder; every caller gets that one answer. A
 // replay allocates only its key.
+//
+// Every answer names an encoder it concerns (X-Encgate-Encoder): a
+// replayed or shared answer the encoder that gave it (the store keeps its
+// name); this call's own exchange the encoder it reached; a conflict, a
+// wait or a refusal the encoder holding the req_id. The pin is read only
+// for those last answers, after the store decided, so that a /send costs
+// the shared pins nothing unless its exchange needs the pin: a replay on a
+// replica that does not hold the pin (or dropped it on release) reads no
+// pin from Redis.
 func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sglang.Send) {
 	req := idempotency.NewSend(body)
-	// Every answer names an encoder it concerns: a replayed or shared
-	// answer the encoder that gave it (the store keeps its name); a
-	// conflict, a wait or a refusal the encoder holding the req_id as the
-	// call arrives; this call's own exchange the encoder it reached.
-	if p, ok := s.pool.Pins.Get(req.Key.ReqID); ok && p.Encoder != "" {
-		ctx.Response.Header.Set(headerEncoder, p.Encoder)
-	}
 	if res, ok := s.sends.Replay(context.Background(), req); ok {
 		s.writeSendResult(ctx, req, res)
 		return
@@ -54,12 +56,29 @@ func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sgla
 	s.writeSendResult(ctx, req, res)
 }
 
+// pinnedEncoder names the encoder holding reqID in X-Encgate-Encoder, for
+// an answer that names none itself. local reads this replica's table
+// alone: the exchange has read the pin into it, or Redis is known down.
+func (s *Server) pinnedEncoder(ctx *fasthttp.RequestCtx, reqID string, local bool) {
+	if len(ctx.Response.Header.Peek(headerEncoder)) != 0 {
+		return
+	}
+	get := s.pool.Pins.Get
+	if local {
+		get = s.pool.Pins.Local
+	}
+	if p, ok := get(reqID); ok && p.Encoder != "" {
+		ctx.Response.Header.Set(headerEncoder, p.Encoder)
+	}
+}
+
 func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send, res idempotency.Result) {
 	reqID := req.Key.ReqID
 	id := func() *string { c := reqID; return &c } // only error branches pay for it
 	switch res.Outcome {
 	case idempotency.Forwarded, idempotency.FailedOpen:
 		// The caller's own call: its answer is already in the response.
+		s.pinnedEncoder(ctx, reqID, true)
 		if res.Released {
 			s.pool.Pins.Delete(reqID)
 		}
@@ -69,10 +88,15 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 		// req_id's bound (400, naming it), or a forward that failed inside
 		// the gateway (500).
 		writeEnvelope(ctx, res.Status, "encgate: "+res.Err.Error(), id())
+		s.pinnedEncoder(ctx, reqID, false)
 		return
 	case idempotency.Inflight, idempotency.Replayed:
 		writeAnswer(ctx, res.Answer)
 		ctx.Response.Header.Set(headerReplayed, "true")
+		if res.Answer.Encoder == "" { // a record stored before records named it
+			s.pinnedEncoder(ctx, reqID, false)
+		}
+		return
 	case idempotency.Released:
 		writeEnvelope(ctx, fasthttp.StatusInternalServerError, sglang.AlreadyReleasedMessage(reqID), id())
 	case idempotency.Conflict:
@@ -83,11 +107,14 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 		// encoder is called), and a retry is deduplicated like any call.
 		writeEnvelope(ctx, fasthttp.StatusServiceUnavailable,
 			"encgate: "+res.Err.Error()+"; "+notForwardedMayRetry, id())
+		s.pinnedEncoder(ctx, reqID, true)
+		return
 	case idempotency.WaitTimeout:
 		writeEnvelope(ctx, fasthttp.StatusGatewayTimeout, fmt.Sprintf(
 			"encgate: an identical /send for req_id=%s to %s is still in flight past this call's deadline; %s",
 			reqID, req.Key.Dest, notForwardedMayRetry), id())
 	}
+	s.pinnedEncoder(ctx, reqID, false)
 }
 
 // snapshot copies the caller's response into an Answer the store and other

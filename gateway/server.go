@@ -67,6 +67,12 @@ type Deps struct {
 	// Descriptors is the RLIMIT_NOFILE that New fits the config into; nil
 	// means this process's.
 	Descriptors fdlimit.Limits
+	// RedisHook, when set, is added to the gateway's one Redis client
+	// (redis:) before anything uses it, so it sees every command, pipeline
+	// and dial of the /send store, the shared pins and the registry. It is
+	// for measuring what a flow costs in Redis (gateway/capacity_test.go,
+	// bench/capacity.sh); nil in production. Unused without Redis.
+	RedisHook redis.Hook
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -102,6 +108,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		if kv, err = redisclient.New(cfg.Redis); err != nil {
 			pool.Close()
 			return nil, err
+		}
+		if deps.RedisHook != nil {
+			kv.AddHook(deps.RedisHook)
 		}
 	}
 	store, err := idempotency.Open(cfg.Idempotency, kv, cfg.Redis, clk, deps.Log.Named("idempotency"))

@@ -155,6 +155,9 @@ type claimToken struct {
 
 var _ Store = (*Redis)(nil)
 
+// remote marks Redis a remoteStore: Sends asks it Claim, not Lookup first.
+func (r *Redis) remote() {}
+
 const (
 	tokenLen      = 16
 	replicaIDLen  = 8 // the token's first bytes: the replica's id; the rest is the claim's own

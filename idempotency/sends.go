@@ -67,6 +67,9 @@ type Sends struct {
 	m        *Metrics
 	failOpen bool
 	claimTTL time.Duration
+	// remote: the store is a server (Redis): Do asks it only Claim, which
+	// answers a record or a release as Lookup would (see remoteStore).
+	remote bool
 
 	shards [memShards]flightShard
 }
@@ -111,6 +114,15 @@ func (f *flight) forWaiter() Result {
 var leaderLost = Result{Outcome: Failed, Status: 500,
 	Err: errors.New("the identical /send this call waited on ended without an answer")}
 
+// remoteStore is a Store each of whose calls is a round trip to a server
+// (Redis). Its Claim answers what Lookup would, a stored record or the
+// req_id's release, in the same round trip, so Sends asks it Claim alone: a
+// first-time /send costs one round trip before it is forwarded (the claim)
+// and one after (Complete, storing the answer), a replay one in all (the
+// claim finds the record and claims nothing). A Lookup first would cost a
+// round trip more on every first-time /send and save none on a replay.
+type remoteStore interface{ remote() }
+
 // NewSends returns a deduplicator over store. A store that counts its own
 // events (Redis: refused and held completions) gets m.
 func NewSends(store Store, cfg Config, clk clock.Clock, log *zap.Logger, m *Metrics) *Sends {
@@ -118,6 +130,7 @@ func NewSends(store Store, cfg Config, clk clock.Clock, log *zap.Logger, m *Metr
 		o.observe(m)
 	}
 	s := &Sends{store: store, clk: clk, log: log, m: m, failOpen: cfg.FailOpen, claimTTL: cfg.ClaimTTL.D()}
+	_, s.remote = store.(remoteStore)
 	for i := range s.shards {
 		s.shards[i].flights = make(map[Key]*flight)
 	}
@@ -129,8 +142,13 @@ func (s *Sends) Store() Store { return s.store }
 
 // Replay answers req from the store alone, when it can: a stored record
 // (or a conflict with it), or the req_id's release. It is the allocation-free
-// fast path; Do repeats it, so callers may skip it.
+// fast path of a store in this process; Do repeats it, so callers may skip
+// it. For a remote store it answers nothing and asks nothing: Do's claim
+// answers a replay in the one round trip a Lookup would cost.
 func (s *Sends) Replay(ctx context.Context, req Send) (Result, bool) {
+	if s.remote {
+		return Result{}, false
+	}
 	rec, found, released, err := s.store.Lookup(ctx, req.Key)
 	if err != nil || !(found || released) {
 		return Result{}, false
@@ -142,14 +160,20 @@ func (s *Sends) Replay(ctx context.Context, req Send) (Result, bool) {
 // call in flight, or by forwarding it (and storing the answer). deadline is
 // this caller's: a waiter leaves at it without disturbing the call it waits
 // on; a forwarded call gets the time left, capped by the claim TTL.
+//
+// A store in this process is looked up first; a remote one is asked only
+// Claim (see remoteStore), by the first caller of the key here: identical
+// calls arriving meanwhile wait for it and cost the store nothing.
 func (s *Sends) Do(ctx context.Context, req Send, deadline time.Time, forward ForwardFunc) Result {
 	k := req.Key
-	rec, found, released, err := s.store.Lookup(ctx, k)
-	if err != nil {
-		return s.storeDownRecovering(ctx, req, err, deadline, forward)
-	}
-	if found || released {
-		return s.fromStore(&rec, found, released, req.FP)
+	if !s.remote {
+		rec, found, released, err := s.store.Lookup(ctx, k)
+		if err != nil {
+			return s.storeDownRecovering(ctx, req, err, deadline, forward)
+		}
+		if found || released {
+			return s.fromStore(&rec, found, released, req.FP)
+		}
 	}
 	fs := &s.shards[xxhash.Sum64String(k.ReqID)%memShards]
 	fs.mu.Lock()

@@ -80,6 +80,10 @@ type pinEntry struct {
 type pinWaiters struct {
 	ch chan struct{} // closed when the req_id is pinned or failed
 	n  int           // goroutines waiting on ch
+	// reading: a read of the share for these waiters is in flight (see
+	// readFor); again: a placement message came meanwhile, so that read
+	// goes once more if it finds no pin.
+	reading, again bool
 }
 
 // NewPinTable returns a table holding up to max pins for ttl each.
@@ -357,9 +361,10 @@ func (t *PinTable) Local(reqID string) (Pin, bool) {
 // early when done is closed. ok is false when no pin came.
 //
 // With a share, the share is read once the waiter is registered (so that
-// a placement published after that read wakes it), then on every message
-// of the share's placement channel for reqID and every Poll: a pin another
-// replica wrote is found at once, never after d.
+// a placement published after that read wakes it; waiters of one req_id
+// that arrive while such a read is in flight share it, see readFor), then
+// on every message of the share's placement channel for reqID and every
+// Poll: a pin another replica wrote is found at once, never after d.
 func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pin, bool) {
 	if p, ok := t.Local(reqID); ok || d <= 0 {
 		if ok || t.share == nil {
@@ -381,7 +386,7 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 	w.n++
 	s.mu.Unlock()
 	if t.share != nil {
-		t.fetch(reqID) // stores a pin it finds, which closes w.ch
+		t.readFor(s, reqID, w, false) // stores a pin it finds, which closes w.ch
 	}
 
 	timer := t.clk.NewTimer(d)
@@ -434,21 +439,53 @@ func (t *PinTable) Share(ctx context.Context, s PinShare, log *zap.Logger) (done
 	ch := make(chan struct{})
 	go func() {
 		defer close(ch)
-		s.Run(ctx, func(reqID string) {
-			if t.waitedFor(reqID) {
-				t.fetch(reqID)
-			}
-		})
+		s.Run(ctx, t.placedElsewhere)
 	}()
 	return ch
 }
 
-// waitedFor reports whether a follow-up here waits for reqID's pin.
-func (t *PinTable) waitedFor(reqID string) bool {
+// placedElsewhere reads reqID's pin, just placed on another replica, for
+// the follow-ups here that wait for it, if any.
+func (t *PinTable) placedElsewhere(reqID string) {
 	s := t.shard(reqID)
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.waiting[reqID] != nil
+	w := s.waiting[reqID]
+	s.mu.Unlock()
+	if w != nil {
+		t.readFor(s, reqID, w, true)
+	}
+}
+
+// readFor reads reqID's pin from the share for the follow-ups w waiting
+// for it, one read at a time; a pin found is stored, which wakes them. So
+// follow-ups of one req_id that arrive together on a replica without its
+// pin read Redis once between them, not once each. A waiter that arrives
+// while a read is in flight needs no read of its own: a pin placed before
+// that read reached Redis is in its answer, and one placed after is
+// published after, so its message comes while the waiters still wait. Such
+// a message (placed) coming while the read is in flight makes the read go
+// once more when it found no pin. The waiters' polls read on their own.
+func (t *PinTable) readFor(s *pinShard, reqID string, w *pinWaiters, placed bool) {
+	s.mu.Lock()
+	if w.reading {
+		w.again = w.again || placed
+		s.mu.Unlock()
+		return
+	}
+	w.reading = true
+	s.mu.Unlock()
+	for {
+		t.fetch(reqID)
+		s.mu.Lock()
+		// A stored pin took w out of waiting (and woke it).
+		if !w.again || s.waiting[reqID] != w {
+			w.reading, w.again = false, false
+			s.mu.Unlock()
+			return
+		}
+		w.again = false
+		s.mu.Unlock()
+	}
 }
 
 // Delete forgets reqID.

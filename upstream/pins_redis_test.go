@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -110,5 +111,114 @@ func testSharedPinWakesAWaiter(t *testing.T, tables []*PinTable, reqID string) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("the waiter was not woken by the placement")
+	}
+}
+
+// gatedShare is a PinShare whose Get counts its calls and answers each
+// with the next of answers once the test lets it go (gate); Run hands the
+// test the placement callback.
+type gatedShare struct {
+	gets   chan struct{} // one value per Get, as it starts
+	gate   chan bool     // the answer of each Get: found or not
+	placed chan func(string)
+	pin    Pin
+}
+
+func (g *gatedShare) Place(string, Pin) (Pin, bool, error) { return Pin{}, false, errors.New("unused") }
+func (g *gatedShare) Move(string, uint64, Pin) (Pin, bool, error) {
+	return Pin{}, false, errors.New("unused")
+}
+func (g *gatedShare) Encoded(string, uint64) error                 { return errors.New("unused") }
+func (g *gatedShare) Fail(string, Failure) error                   { return errors.New("unused") }
+func (g *gatedShare) Poll() time.Duration                          { return time.Hour }
+func (g *gatedShare) Run(ctx context.Context, placed func(string)) { g.placed <- placed; <-ctx.Done() }
+func (g *gatedShare) Get(string) (Pin, bool, error) {
+	g.gets <- struct{}{}
+	select {
+	case found := <-g.gate:
+		if found {
+			return g.pin, true, nil
+		}
+		return Pin{}, false, nil
+	case <-time.After(10 * time.Second): // a read the test never lets go: it fails, not hangs
+		return Pin{}, false, errors.New("gatedShare: read never let go")
+	}
+}
+
+func gatedTable(t *testing.T) (*PinTable, *gatedShare, func(string)) {
+	t.Helper()
+	g := &gatedShare{gets: make(chan struct{}, 64), gate: make(chan bool), placed: make(chan func(string), 1),
+		pin: Pin{Encoder: "enc-1", EncoderID: 1, State: PinEncoded}}
+	tab := NewPinTable(time.Minute, 1000, clock.Real{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := tab.Share(ctx, g, nil)
+	t.Cleanup(func() { cancel(); <-done })
+	return tab, g, <-g.placed
+}
+
+// waiters is how many goroutines wait for reqID's pin in tab.
+func waiters(tab *PinTable, reqID string) int {
+	s := tab.shard(reqID)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if w := s.waiting[reqID]; w != nil {
+		return w.n
+	}
+	return 0
+}
+
+// Follow-ups of one req_id that arrive together on a replica without its
+// pin read the share once between them.
+func TestPinWaitersShareOneRead(t *testing.T) {
+	tab, g, _ := gatedTable(t)
+	const n = 8
+	got := make(chan Pin, n)
+	for range n {
+		go func() {
+			p, _ := tab.Wait("r", time.Hour, nil)
+			got <- p
+		}()
+	}
+	<-g.gets // the first waiter's read is in flight
+	for waiters(tab, "r") < n {
+		time.Sleep(time.Millisecond) // the others offer no signal before they wait
+	}
+	if extra := len(g.gets); extra != 0 {
+		t.Fatalf("%d waiters read the share: want 1 read for all", extra+1)
+	}
+	g.gate <- true
+	for range n {
+		if p := <-got; p.Encoder != "enc-1" {
+			t.Fatalf("a waiter got %+v", p)
+		}
+	}
+	if extra := len(g.gets); extra != 0 {
+		t.Fatalf("%d more reads of the share once the pin was found", extra)
+	}
+}
+
+// A placement message that comes while the waiters' read is in flight
+// (that read may have reached Redis before the placement) makes it read
+// once more when it found nothing: the waiter gets the pin without
+// waiting for a poll (an hour here).
+func TestPinPlacementDuringAReadReadsAgain(t *testing.T) {
+	tab, g, placed := gatedTable(t)
+	got := make(chan Pin, 1)
+	go func() {
+		p, _ := tab.Wait("r", time.Hour, nil)
+		got <- p
+	}()
+	<-g.gets
+	placed("r") // returns at once: the read in flight goes again
+	select {
+	case <-g.gets:
+		t.Fatal("the placement message read the share while a read was in flight")
+	default:
+	}
+	g.gate <- false // the first read found no pin
+	<-g.gets        // so it reads again
+	g.gate <- true
+	if p := <-got; p.Encoder != "enc-1" {
+		t.Fatalf("the waiter got %+v", p)
 	}
 }
