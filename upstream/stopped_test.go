@@ -2,10 +2,12 @@ package upstream
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -96,6 +98,61 @@ func stoppedListener(t *testing.T) net.Listener {
 	return ln
 }
 
+// holding is an encoder that takes requests and never answers, and tells
+// got of each request's first bytes: what a wedged encoder process is to
+// a client, with a signal that a request arrived. kill resets its
+// connections and closes its listener, as the process's death would.
+type holding struct {
+	addr string
+	got  <-chan struct{}
+	kill func()
+}
+
+func holdingListener(t *testing.T) *holding {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan struct{}, 64)
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go func() {
+				buf := make([]byte, 4096)
+				if n, _ := c.Read(buf); n > 0 {
+					got <- struct{}{}
+				}
+				_, _ = io.Copy(io.Discard, c)
+			}()
+		}
+	}()
+	var once sync.Once
+	kill := func() {
+		once.Do(func() {
+			_ = ln.Close()
+			mu.Lock()
+			defer mu.Unlock()
+			for _, c := range conns {
+				if tc, ok := c.(*net.TCPConn); ok {
+					_ = tc.SetLinger(0)
+				}
+				_ = c.Close()
+			}
+		})
+	}
+	t.Cleanup(kill)
+	return &holding{addr: ln.Addr().String(), got: got, kill: kill}
+}
+
 // liveEncoder answers every POST 200 with a JSON body naming itself.
 func liveEncoder(t *testing.T, name string) *httptest.Server {
 	t.Helper()
@@ -169,9 +226,9 @@ func waitInflight(t *testing.T, e *Encoder, n int64) {
 // not sent, a connect_failure for the retry policy, ignored by the breaker),
 // and a follow-up pinned to it gets the gateway's 503 without waiting.
 func TestStoppedEncoderAtItsInflightLimitRefusesAtOnce(t *testing.T) {
-	stopped := stoppedListener(t)
+	stopped := holdingListener(t)
 	live := liveEncoder(t, "live")
-	set := testSettings("stopped", "http://"+stopped.Addr().String(), "live", live.URL)
+	set := testSettings("stopped", "http://"+stopped.addr, "live", live.URL)
 	set.MaxInflight = 2
 	// Long tries: the held exchanges must outlast the rest of the test,
 	// which ends them by closing the listener (a reset, as a killed
@@ -188,6 +245,12 @@ func TestStoppedEncoderAtItsInflightLimitRefusesAtOnce(t *testing.T) {
 		go func() { held <- p.Exchange(c) }()
 	}
 	waitInflight(t, enc, 2)
+	// Counted in flight is not yet written: wait for both requests to reach
+	// the encoder, or the close below could find one still connecting (a
+	// refused connect, which is retried on the next encoder).
+	for i := 0; i < 2; i++ {
+		<-stopped.got
+	}
 
 	moved := newCall(sglang.RouteEncode, ownedBy(t, p, "stopped", "moved"))
 	res := p.Exchange(moved)
@@ -231,7 +294,7 @@ func TestStoppedEncoderAtItsInflightLimitRefusesAtOnce(t *testing.T) {
 
 	// The held /encodes end when the encoder dies, each after one attempt:
 	// what may have reached it is never sent again.
-	_ = stopped.Close()
+	stopped.kill()
 	for i := 0; i < 2; i++ {
 		r := <-held
 		if r.Attempts != 1 || r.Verdict.Delivery == NotSent || r.Verdict.Status < 500 {
