@@ -84,20 +84,6 @@ func TestDefaultEncodeTimeoutBoundsAStoppedEncoder(t *testing.T) {
 	}
 }
 
-// stoppedListener is what a SIGSTOPped encoder is to a client: the kernel
-// completes the connect (the listen backlog) and takes the request into the
-// socket buffer, and nothing ever answers. Closing it resets the queued
-// connections, as the process's death would.
-func stoppedListener(t *testing.T) net.Listener {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	return ln
-}
-
 // holding is an encoder that takes requests and never answers, and tells
 // got of each request's first bytes: what a wedged encoder process is to
 // a client, with a signal that a request arrived. kill resets its
