@@ -550,7 +550,7 @@ func TestShutdownGoesNotReadyBeforeClosingTheListener(t *testing.T) {
 // frees its place for the next long poll. Real sockets throughout: the
 // gateway in front of a fake encoder that holds each pull until its part
 // is encoded.
-func TestHeldPullsLeaveTheReserveToCompletingCalls(t *testing.T) {
+func TestLongPollLimitLeavesTheReserveToCompletingCalls(t *testing.T) {
 	const total, held = 32, 24 // held: floor(limits.poll_share 0.75 × 32)
 	encs := startFakes(t, 1, nil)
 	g := startGateway(t, fakeURLs(encs), func(c *Config) {
