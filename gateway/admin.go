@@ -123,6 +123,7 @@ type UpstreamState struct {
 	Usable     bool                    `json:"usable"`
 	State      string                  `json:"state"`
 	Inflight   int64                   `json:"inflight"`
+	Polls      int64                   `json:"polls"` // the long polls among Inflight (limits.poll_share)
 	Requests   uint64                  `json:"requests"`
 	Pins       int                     `json:"pins"`
 	Breaker    BreakerView             `json:"breaker"`
@@ -154,7 +155,7 @@ func (s *Server) upstreamStates() []UpstreamState {
 		}
 		out = append(out, UpstreamState{
 			Name: e.Name, URL: e.URL, Source: e.Source(), Membership: membership, Usable: e.Usable(), State: e.State(),
-			Inflight: e.Inflight(), Requests: e.Requests(), Pins: pins[e.Name],
+			Inflight: e.Inflight(), Polls: e.Polls(), Requests: e.Requests(), Pins: pins[e.Name],
 			Breaker: BreakerView{State: e.Breaker.State().String(), Requests: bc.Requests, TotalFailures: bc.TotalFailures,
 				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},
 			Health: e.Health.Snapshot(),

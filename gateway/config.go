@@ -176,7 +176,8 @@ const (
 )
 
 // LimitsConfig bounds caller input and connections. Only
-// MaxInflightPerEncoder changes on a reload; the others need a restart.
+// MaxInflightPerEncoder and PollShare change on a reload; the others need a
+// restart.
 type LimitsConfig struct {
 	// MaxBodyBytes bounds a request body (default 8MiB); larger gets 413.
 	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes" reload:"restart"`
@@ -211,6 +212,17 @@ type LimitsConfig struct {
 	// gets a 503 envelope at once (or, where its route's retry policy
 	// retries connect_failure, is retried: /encode on the next encoder).
 	MaxInflightPerEncoder int `yaml:"max_inflight_per_encoder" reload:"live"`
+	// PollShare is the share of MaxInflightPerEncoder that long polls may
+	// hold at one encoder (default 0.75; above 0, below 1): metadata pulls
+	// and registrations of a part not known encoded (no /encode of it
+	// seen, or one still running), which the encoder holds up to 180 s
+	// waiting for the part. They may hold at most floor(PollShare ×
+	// MaxInflightPerEncoder), at least 1; one more gets a 503 envelope
+	// naming this bound. The rest is reserved for what starts or completes
+	// a part (/encode, /send, a pull or registration of a part already
+	// encoded, answered at once), so pulls held for req_ids never encoded
+	// (a confused or restarted rank) cannot starve them.
+	PollShare float64 `yaml:"poll_share" reload:"live"`
 }
 
 // Bounds of limits.max_header_bytes: a request line must fit, and every open
@@ -248,6 +260,7 @@ func DefaultConfig() Config {
 			IdleTimeout:           configfile.Duration(120e9),
 			MaxConns:              10000,
 			MaxInflightPerEncoder: 1024,
+			PollShare:             0.75,
 		},
 		Admin: AdminConfig{
 			MaxConns:    defaultAdminMaxConns,
@@ -339,6 +352,9 @@ func (c Config) Validate() error {
 	}
 	if c.Limits.MaxInflightPerEncoder < 1 {
 		p.Addf("limits.max_inflight_per_encoder", "must be >= 1, got %d", c.Limits.MaxInflightPerEncoder)
+	}
+	if s := c.Limits.PollShare; !(s > 0 && s < 1) {
+		p.Addf("limits.poll_share", "must be above 0 and below 1 (the share of limits.max_inflight_per_encoder long polls may hold), got %g", s)
 	}
 	c.Shutdown.Validate(&p, "shutdown")
 	if c.Shutdown.Delay < 0 {

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -50,6 +51,11 @@ func TestValidate(t *testing.T) {
 		{"header timeout", func(c *Config) { c.Limits.ReadHeaderTimeout = 0 }, []string{"limits.read_header_timeout: must be > 0"}},
 		{"max conns", func(c *Config) { c.Limits.MaxConns = 0 }, []string{"limits.max_conns: must be between 1 and"}},
 		{"max inflight", func(c *Config) { c.Limits.MaxInflightPerEncoder = 0 }, []string{"limits.max_inflight_per_encoder: must be >= 1, got 0"}},
+		{"poll share 1", func(c *Config) { c.Limits.PollShare = 1 }, []string{"limits.poll_share: must be above 0 and below 1 " +
+			"(the share of limits.max_inflight_per_encoder long polls may hold), got 1"}},
+		{"poll share 0", func(c *Config) { c.Limits.PollShare = 0 }, []string{"limits.poll_share: must be above 0 and below 1", "got 0"}},
+		{"poll share NaN", func(c *Config) { c.Limits.PollShare = math.NaN() }, []string{"limits.poll_share: must be above 0 and below 1", "got NaN"}},
+		{"poll share small", func(c *Config) { c.Limits.PollShare = 0.01 }, nil},
 		{"shutdown delay", func(c *Config) { c.Shutdown.Delay = -1 }, []string{"shutdown.delay: must be >= 0"}},
 		{"max orphaned claims", func(c *Config) { c.Idempotency.MaxOrphanedClaims = 0 },
 			[]string{"idempotency.max_orphaned_claims: must be between 1 and 16777216, got 0"}},

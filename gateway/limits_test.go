@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -539,4 +540,139 @@ func TestShutdownGoesNotReadyBeforeClosingTheListener(t *testing.T) {
 	if n := encs[0].Stats().Routes["/encode"]; n != 3 {
 		t.Fatalf("the encoder received %d /encode, want 3", n)
 	}
+}
+
+// Metadata pulls held at an encoder for req_ids never encoded (a confused
+// or restarted rank, or anyone) fill only limits.poll_share of
+// limits.max_inflight_per_encoder: the pulls past that share are refused at
+// once with a 503 naming it, and an encoded part's /encode, metadata pull
+// and /send still go through on the reserved rest. A held pull answered
+// frees its place for the next long poll. Real sockets throughout: the
+// gateway in front of a fake encoder that holds each pull until its part
+// is encoded.
+func TestLongPollLimitLeavesTheReserveToCompletingCalls(t *testing.T) {
+	const total, held = 32, 24 // held: floor(limits.poll_share 0.75 × 32)
+	encs := startFakes(t, 1, nil)
+	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Limits.MaxInflightPerEncoder = total
+		// A pull for a req_id without a pin waits affinity.unknown_wait for
+		// one before going to the rendezvous owner, classed a long poll
+		// either way: no waiting needed here.
+		c.Affinity.UnknownWait = 0
+		// One attempt per pull: a refused pull's retries (the default
+		// policy retries connect_failure, on the same encoder, the pull's
+		// state being there) would only be refused again while the others
+		// are held, and each attempt would count.
+		c.Retry.Metadata.MaxAttempts = 1
+	})
+	e := g.Pool().Encoders()[0]
+	waiting := func() int { return encs[0].Stats().Waiting[fakeencoder.RouteMetadata] }
+
+	// total pulls for never-encoded req_ids, all at once.
+	pulls := map[string]<-chan result{}
+	for i := 0; i < total; i++ {
+		id := fmt.Sprintf("never-%d_local_part_0", i)
+		pulls[id] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(id))
+	}
+	// Each is either held by the encoder or answered by the gateway.
+	answered := map[string]result{}
+	collect := func() {
+		for id, ch := range pulls {
+			select {
+			case r := <-ch:
+				answered[id] = r
+				delete(pulls, id)
+			default:
+			}
+		}
+	}
+	eventually(t, "every pull held by the encoder or answered", func() bool {
+		collect()
+		return waiting()+len(answered) == total
+	})
+	t.Logf("max_inflight_per_encoder %d, poll_share 0.75: %d pulls held at the encoder, %d answered at once; gateway: %d in flight, %d long polls",
+		total, waiting(), len(answered), e.Inflight(), e.Polls())
+	if waiting() != held || len(pulls) != held || e.Polls() != held || e.Inflight() != held {
+		t.Fatalf("%d pulls held at the encoder (%d unanswered), gateway counts %d long polls of %d in flight; want %d",
+			waiting(), len(pulls), e.Polls(), e.Inflight(), held)
+	}
+	const pollMsg = "encgate: encoder enc-0 already holds 24 long polls (metadata pulls and registrations of parts not yet encoded; " +
+		"limits.poll_share 0.75 of limits.max_inflight_per_encoder 32); try again later"
+	for id, r := range answered {
+		if r.err != nil {
+			t.Fatalf("pull %s: %v", id, r.err)
+		}
+		wantEnvelopeMsg(t, r.a, http.StatusServiceUnavailable, pollMsg, &id)
+	}
+
+	// A part encoded now: its /encode, its pull and its /send each take a
+	// place in the reserve.
+	part := "good_local_part_0"
+	for _, c := range []struct{ path, body string }{
+		{"/encode", encodeBody(part)},
+		{"/scheduler_receive_meta_data", metaBody(part)},
+		{"/send", sendBody(part, 40000)},
+	} {
+		a := post(t, g.base+c.path, c.body)
+		t.Logf("%s of %s beside %d held pulls: %d", c.path, part, e.Polls(), a.status)
+		if a.status != 200 {
+			t.Fatalf("%s of the encoded part: %d %s", c.path, a.status, a.body)
+		}
+	}
+	var rows []UpstreamState
+	if a := do(t, http.MethodGet, g.admin+"/admin/upstreams", ""); json.Unmarshal([]byte(a.body), &rows) != nil ||
+		len(rows) != 1 || rows[0].Inflight != held || rows[0].Polls != held {
+		t.Errorf("/admin/upstreams does not show %d long polls of %d in flight: %s", held, held, a.body)
+	}
+	wantLines(t, scrape(t, g),
+		`encgate_upstream_refused_total{encoder="enc-0",reason="poll_share"} 8`,
+		`encgate_upstream_refused_total{encoder="enc-0",reason="max_inflight"} 0`,
+		`encgate_upstream_polls_inflight{encoder="enc-0"} 24`,
+		`encgate_upstream_requests_total{code="refused",encoder="enc-0",route="metadata"} 8`,
+	)
+
+	// One held pull answered (its part encoded) frees a place: the next
+	// pull for a never-encoded req_id is held, and the one after refused.
+	var freed string
+	for id := range pulls {
+		freed = id
+		break
+	}
+	if a := post(t, g.base+"/encode", encodeBody(freed)); a.status != 200 {
+		t.Fatalf("/encode %s: %d %s", freed, a.status, a.body)
+	}
+	if r := <-pulls[freed]; r.err != nil || r.a.status != 200 {
+		t.Fatalf("the held pull of %s once encoded: %v %d %s", freed, r.err, r.a.status, r.a.body)
+	}
+	delete(pulls, freed)
+	eventually(t, "the answered pull to leave the count", func() bool { return e.Polls() == held-1 })
+	next := "never-next_local_part_0"
+	pulls[next] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(next))
+	eventually(t, "the next pull to be held", func() bool { return waiting() == held })
+	over := "never-over_local_part_0"
+	wantEnvelopeMsg(t, post(t, g.base+"/scheduler_receive_meta_data", metaBody(over)), http.StatusServiceUnavailable, pollMsg, &over)
+
+	// A reload changes the share at once: 0.8 of 32 is 25, so the pull
+	// just refused is held when it comes again.
+	cfg := nextConfig(g)
+	cfg.Limits.PollShare = 0.8
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	pulls[over] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(over))
+	eventually(t, "the pull to be held under the reloaded share", func() bool { return waiting() == held+1 })
+	if e.Polls() != held+1 {
+		t.Fatalf("%d long polls after the reload, want %d", e.Polls(), held+1)
+	}
+
+	// Release: every held pull is answered 200 once its part is encoded.
+	for id, ch := range pulls {
+		if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
+			t.Fatalf("/encode %s: %d %s", id, a.status, a.body)
+		}
+		if r := <-ch; r.err != nil || r.a.status != 200 {
+			t.Fatalf("the held pull of %s once encoded: %v %d %s", id, r.err, r.a.status, r.a.body)
+		}
+	}
+	eventually(t, "no long poll left", func() bool { return e.Polls() == 0 && e.Inflight() == 0 })
 }

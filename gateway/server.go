@@ -233,7 +233,7 @@ func (s *Server) conf() *Config { return s.snap.Load() }
 
 func poolSettings(c Config) upstream.Settings {
 	return upstream.Settings{Encoders: c.Encoders, Client: c.Upstream, Breaker: c.Breaker, Health: c.Health,
-		Retry: c.Retry, MaxInflight: c.Limits.MaxInflightPerEncoder}
+		Retry: c.Retry, MaxInflight: c.Limits.MaxInflightPerEncoder, PollShare: c.Limits.PollShare}
 }
 
 // Start listens on both addresses and serves in the background.

@@ -58,14 +58,15 @@ var statusFamilies = []statuspage.Family{
 
 // reloadable is the part of the config a reload applies at once.
 type reloadable struct {
-	Encoders              any `yaml:"encoders"`
-	Upstream              any `yaml:"upstream"`
-	Retry                 any `yaml:"retry"`
-	Breaker               any `yaml:"breaker"`
-	Health                any `yaml:"health"`
-	MaxInflightPerEncoder int `yaml:"limits.max_inflight_per_encoder"`
-	AdminToken            any `yaml:"admin.token"`
-	LogLevel              any `yaml:"log.level"`
+	Encoders              any     `yaml:"encoders"`
+	Upstream              any     `yaml:"upstream"`
+	Retry                 any     `yaml:"retry"`
+	Breaker               any     `yaml:"breaker"`
+	Health                any     `yaml:"health"`
+	MaxInflightPerEncoder int     `yaml:"limits.max_inflight_per_encoder"`
+	PollShare             float64 `yaml:"limits.poll_share"`
+	AdminToken            any     `yaml:"admin.token"`
+	LogLevel              any     `yaml:"log.level"`
 }
 
 func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
@@ -85,7 +86,8 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 		token = "set (not shown)"
 	}
 	y, _ := yaml.Marshal(reloadable{Encoders: c.Encoders, Upstream: c.Upstream, Retry: c.Retry, Breaker: c.Breaker,
-		Health: c.Health, MaxInflightPerEncoder: c.Limits.MaxInflightPerEncoder, AdminToken: token, LogLevel: c.Log.Level})
+		Health: c.Health, MaxInflightPerEncoder: c.Limits.MaxInflightPerEncoder,
+		PollShare: c.Limits.PollShare, AdminToken: token, LogLevel: c.Log.Level})
 	v.Reloadable = string(y)
 	statuspage.Write(w, statusPage, v)
 }

@@ -359,6 +359,7 @@ func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 			// pinned to) and so did nothing of this call: follow it.
 			return s.decide(pin, true)
 		}
+		s.t.poll = s.longPoll(pin, ok) // the part may have been encoded since the last attempt
 		return s.t, nil, true
 	}
 	var pin Pin
@@ -394,6 +395,7 @@ func (s *pinned) decide(pin Pin, ok bool) (target, *Verdict, bool) {
 			return target{}, &v, false
 		}
 		s.t = e.targetFor(s.c.Route, nil)
+		s.t.poll = s.longPoll(pin, ok)
 		return s.t, nil, true
 	}
 	s.found = true
@@ -410,7 +412,19 @@ func (s *pinned) decide(pin Pin, ok bool) (target, *Verdict, bool) {
 		return target{}, &v, false
 	}
 	s.t = e.targetFor(s.c.Route, nil)
+	s.t.poll = s.longPoll(pin, ok)
 	return s.t, nil, true
+}
+
+// longPoll classifies an attempt by the pin read as it is picked: a
+// metadata pull or registration of a part not known encoded (no pin, or a
+// pending one) may be held by the encoder until the part's encode (up to
+// 180 s), so it counts against the long polls' bound (target.poll). One of
+// a part already encoded is answered at once, and, like /encode and /send,
+// counts against the total only. An attempt already sent stays as it was
+// classed when the part is encoded meanwhile.
+func (s *pinned) longPoll(pin Pin, ok bool) bool {
+	return s.c.Route.Kind == sglang.KindFollowUp && s.c.Route.LongPoll && (!ok || pin.State == PinPending)
 }
 
 // forwardFailed: a registration for a part whose gen0 encoder answered the

@@ -19,6 +19,7 @@ type poolMetrics struct {
 	transitions *prometheus.CounterVec // encoder, from, to
 	healthy     *prometheus.GaugeVec   // encoder
 	refused     *prometheus.CounterVec // encoder, reason
+	polls       *prometheus.GaugeVec   // encoder
 	outcomes    *prometheus.CounterVec // encoder, outcome
 
 	requests        *prometheus.CounterVec // encoder, route, code
@@ -52,6 +53,7 @@ type hotKey struct {
 // refuse an exchange before anything is sent.
 const (
 	RefusedMaxInflight = "max_inflight" // limits.max_inflight_per_encoder
+	RefusedPollShare   = "poll_share"   // limits.poll_share: the long polls' bound
 	RefusedMaxConns    = "max_conns"    // upstream.max_conns_per_encoder
 	RefusedBreaker     = "breaker"      // the breaker admitted no more placements
 )
@@ -72,8 +74,12 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 		}, []string{"encoder"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_upstream_refused_total",
-			Help: "Exchanges the gateway refused before sending anything, by encoder and reason: max_inflight (limits.max_inflight_per_encoder), max_conns (upstream.max_conns_per_encoder) or breaker (an /encode the breaker admitted no more of).",
+			Help: "Exchanges the gateway refused before sending anything, by encoder and reason: max_inflight (limits.max_inflight_per_encoder), poll_share (a long poll past limits.poll_share of it), max_conns (upstream.max_conns_per_encoder) or breaker (an /encode the breaker admitted no more of).",
 		}, []string{"encoder", "reason"}),
+		polls: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "encgate_upstream_polls_inflight",
+			Help: "Long polls in flight per encoder: metadata pulls and registrations of parts not known encoded when sent, which limits.poll_share bounds.",
+		}, []string{"encoder"}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_breaker_outcomes_total",
 			Help: "Exchanges as each encoder's breaker counted them: success, fault (an instance fault) or ignored (caused by the request, another request's failure, a long-poll that ran out, breaker.ignore, or the gateway's own limits).",
@@ -96,7 +102,7 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Buckets: prometheus.ExponentialBucketsRange(0.001, 30, 14),
 		}),
 	}
-	reg.MustRegister(m.state, m.transitions, m.healthy, m.refused, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff)
+	reg.MustRegister(m.state, m.transitions, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff)
 	for _, r := range sglang.RetryLabels {
 		m.budgetExhausted.WithLabelValues(r)
 	}
@@ -168,6 +174,12 @@ func (m *poolMetrics) refusals(name string) (inflight, conns prometheus.Counter)
 	return m.refused.WithLabelValues(name, RefusedMaxInflight), m.refused.WithLabelValues(name, RefusedMaxConns)
 }
 
+// pollSeries returns name's long-poll refusal counter and its gauge of long
+// polls in flight (creating both series).
+func (m *poolMetrics) pollSeries(name string) (refused prometheus.Counter, inflight prometheus.Gauge) {
+	return m.refused.WithLabelValues(name, RefusedPollShare), m.polls.WithLabelValues(name)
+}
+
 // forget deletes every series of e's name and its hot entries, for an
 // encoder whose name the fleet no longer has. e is marked first, under mu,
 // so that nothing counted for it later creates them again; counters e
@@ -180,6 +192,7 @@ func (m *poolMetrics) forget(e *Encoder) {
 	name := e.Name
 	m.state.DeleteLabelValues(name)
 	m.healthy.DeleteLabelValues(name)
+	m.polls.DeleteLabelValues(name)
 	m.refused.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.outcomes.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.transitions.DeletePartialMatch(prometheus.Labels{"encoder": name})

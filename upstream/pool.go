@@ -10,6 +10,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"net/url"
@@ -58,10 +59,16 @@ type Encoder struct {
 	warnedGen atomic.Bool           // the GEN0-shaped /encode warning was logged
 	outcomes  [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
 
-	// maxInflight is the pool's limits.max_inflight_per_encoder (<= 0: no
-	// limit), shared by every encoder so that a reload changes it for all.
-	maxInflight     *atomic.Int64
+	// polls counts the long polls among inflight: metadata pulls and
+	// registrations of a part not known encoded (target.poll).
+	polls atomic.Int64
+	// limits are the pool's in-flight bounds (limits.max_inflight_per_encoder
+	// and limits.poll_share), shared by every encoder so that a reload
+	// changes them for all; nil: none.
+	limits          *atomic.Pointer[inflightLimits]
 	refusedInflight prometheus.Counter // nil outside a pool
+	refusedPolls    prometheus.Counter // nil outside a pool
+	pollsGauge      prometheus.Gauge   // encgate_upstream_polls_inflight; nil outside a pool
 	refusedConns    prometheus.Counter
 	// forgotten: the encoder left the fleet and poolMetrics.forget deleted
 	// its name's series; nothing counted for it may create them again.
@@ -97,6 +104,11 @@ func (e *Encoder) setMembership(ec EncoderConfig) {
 
 // Inflight returns the number of exchanges in progress with e.
 func (e *Encoder) Inflight() int64 { return e.inflight.Load() }
+
+// Polls returns the number of long polls among e's exchanges in progress:
+// metadata pulls and registrations of parts not known encoded, which
+// limits.poll_share bounds.
+func (e *Encoder) Polls() int64 { return e.polls.Load() }
 
 // Requests returns the number of exchanges started with e.
 func (e *Encoder) Requests() uint64 { return e.requests.Load() }
@@ -196,6 +208,14 @@ type target struct {
 	// place reports false when another /encode pinned the req_id to a
 	// different encoder first: nothing is sent then.
 	place func() bool
+	// poll marks a long poll: a metadata pull or registration of a part
+	// whose pin, read as the attempt was picked, does not say encoded (no
+	// pin, or pending). The encoder may hold it up to 180 s, so it is
+	// admitted against the long polls' own bound as well as the total
+	// (Encoder.acquire). Everything else (/encode, /send, a follow-up of a
+	// part already encoded, answered at once) counts against the total
+	// only, and so keeps the share of it long polls may never take.
+	poll bool
 }
 
 // targetFor is e's target for route rt.
@@ -212,13 +232,14 @@ func (e *Encoder) targetFor(rt *sglang.Route, place func() bool) target {
 // that meets a pooled connection the encoder had already closed is sent on
 // another connection: provably nothing of it was delivered. With
 // limits.max_inflight_per_encoder exchanges already in flight to the
-// encoder (its agent's included), it sends nothing and returns an
+// encoder (its agent's included), or for a long poll (t.poll) with the long
+// polls' bound already held, it sends nothing and returns an
 // *InflightLimitError.
 func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error {
-	if err := t.enc.acquire(); err != nil {
+	if err := t.enc.acquire(t.poll); err != nil {
 		return err
 	}
-	defer t.enc.inflight.Add(-1)
+	defer t.enc.release(t.poll)
 	if t.place != nil && !t.place() {
 		return errPlacedElsewhere
 	}
@@ -232,21 +253,81 @@ func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time
 	return t.enc.refusedByPool(do(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout))
 }
 
+// inflightLimits are the bounds Encoder.acquire applies, swapped whole on
+// reload so that an exchange reads one consistent pair.
+type inflightLimits struct {
+	total int64   // limits.max_inflight_per_encoder; <= 0: none
+	polls int64   // long polls' own bound, below total; <= 0: none of their own
+	share float64 // limits.poll_share, which polls was computed from
+}
+
+func newInflightLimits(total int, share float64) *inflightLimits {
+	l := &inflightLimits{total: int64(total), share: share}
+	if total > 0 && share > 0 {
+		l.polls = int64(PollBound(total, share))
+	}
+	return l
+}
+
+// PollBound is how many long polls one encoder may hold under
+// limits.max_inflight_per_encoder total and limits.poll_share share (in
+// (0,1)): floor(share × total), at least 1. The rest of total is reserved
+// for the calls that start or complete a part (/encode, /send, a follow-up
+// of an encoded part), which held pulls can then never crowd out. With a
+// total of 1 the long polls share its one slot.
+func PollBound(total int, share float64) int {
+	// The epsilon keeps a product that floating point puts a hair below an
+	// integer (0.29 × 100 = 28.999…) on that integer.
+	n := int(math.Floor(share*float64(total) + 1e-9))
+	return max(1, min(n, total))
+}
+
 // acquire counts one more exchange in flight to e, or refuses it when the
-// pool's in-flight limit is reached (the caller sends nothing then).
-func (e *Encoder) acquire() error {
-	n := e.inflight.Add(1)
-	if e.maxInflight != nil {
-		if limit := e.maxInflight.Load(); limit > 0 && n > limit {
-			e.inflight.Add(-1)
-			if e.refusedInflight != nil {
-				e.refusedInflight.Inc()
+// pool's in-flight limit is reached (the caller sends nothing then); a long
+// poll (poll) is also counted against, and refused at, the long polls' own
+// bound. Each acquire that returns nil is paired with release(poll).
+func (e *Encoder) acquire(poll bool) error {
+	var lim *inflightLimits
+	if e.limits != nil {
+		lim = e.limits.Load()
+	}
+	if poll {
+		n := e.polls.Add(1)
+		if lim != nil && lim.polls > 0 && n > lim.polls {
+			e.polls.Add(-1)
+			if e.refusedPolls != nil {
+				e.refusedPolls.Inc()
 			}
-			return &InflightLimitError{Encoder: e.Name, Limit: limit}
+			return &InflightLimitError{Encoder: e.Name, Limit: lim.polls, Polls: true, Total: lim.total, Share: lim.share}
 		}
+	}
+	n := e.inflight.Add(1)
+	if lim != nil && lim.total > 0 && n > lim.total {
+		e.inflight.Add(-1)
+		if poll {
+			e.polls.Add(-1)
+		}
+		if e.refusedInflight != nil {
+			e.refusedInflight.Inc()
+		}
+		return &InflightLimitError{Encoder: e.Name, Limit: lim.total, Total: lim.total}
+	}
+	if poll && e.pollsGauge != nil {
+		e.pollsGauge.Inc()
 	}
 	e.requests.Add(1)
 	return nil
+}
+
+// release ends an exchange acquire admitted.
+func (e *Encoder) release(poll bool) {
+	if poll {
+		e.polls.Add(-1)
+		if e.pollsGauge != nil {
+			e.pollsGauge.Dec()
+		}
+	}
+	e.inflight.Add(-1)
 }
 
 // refusedByPool counts an exchange refused for want of a free connection.
@@ -303,6 +384,12 @@ type Settings struct {
 	// limits.max_inflight_per_encoder); <= 0 means no bound. A reload
 	// changes it for every encoder at once, rebuilding nothing.
 	MaxInflight int
+	// PollShare (the gateway's limits.poll_share, in (0,1)) bounds the long
+	// polls among them (metadata pulls and registrations of parts not
+	// known encoded) to PollBound(MaxInflight, PollShare), keeping the rest
+	// for the calls that start or complete a part. 0 gives long polls no
+	// bound of their own. A reload changes it as MaxInflight.
+	PollShare float64
 }
 
 // fleet is an immutable snapshot of the encoders and the settings the
@@ -324,9 +411,9 @@ type Pool struct {
 	Pins *PinTable
 	m    *poolMetrics
 
-	fleet       atomic.Pointer[fleet]
-	reloadMu    sync.Mutex   // serialises Reload
-	maxInflight atomic.Int64 // Settings.MaxInflight, read by every encoder
+	fleet    atomic.Pointer[fleet]
+	reloadMu sync.Mutex                     // serialises Reload
+	limits   atomic.Pointer[inflightLimits] // Settings.MaxInflight and PollShare, read by every encoder
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -363,7 +450,7 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 	if p.rand == nil {
 		p.rand = rand.Float64
 	}
-	p.maxInflight.Store(int64(set.MaxInflight))
+	p.limits.Store(newInflightLimits(set.MaxInflight, set.PollShare))
 	f := &fleet{byName: map[string]*Encoder{}, set: set, budgets: p.newBudgets(set.Retry.Budget)}
 	for i, ec := range set.Encoders {
 		e, err := p.newEncoder(ec, set, tokens[i])
@@ -415,10 +502,11 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 		return nil, err
 	}
 	e := &Encoder{Name: ec.Name, URL: ec.URL, hash: xxhash.Sum64String(ec.Name), id: encoderID(ec),
-		maxInflight: &p.maxInflight}
+		limits: &p.limits}
 	e.gen.Store(ec.Generation.index())
 	e.setMembership(ec)
 	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
+	e.refusedPolls, e.pollsGauge = p.m.pollSeries(ec.Name)
 	e.outcomes = p.m.outcomeCounters(ec.Name)
 	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
 	e.Breaker = NewBreaker(ec.Name, set.Breaker, func(_ string, from, to BreakerState) { p.breakerChanged(e, from, to) })
@@ -710,7 +798,7 @@ func (p *Pool) Reload(set Settings) (added, removed []string, err error) {
 			e.agent.setToken(tokens[i])
 		}
 	}
-	p.maxInflight.Store(int64(set.MaxInflight))
+	p.limits.Store(newInflightLimits(set.MaxInflight, set.PollShare))
 	p.fleet.Store(next)
 	p.stopAll(retired)
 	// A retired encoder whose name stays (rebuilt, or moved to another URL)

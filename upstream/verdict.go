@@ -223,8 +223,7 @@ func judgeOutcome(rt *sglang.Route, ignore []Condition, t Target, o Observation)
 	case errors.As(err, &limit):
 		return Verdict{Kind: KindRefused, Cause: CauseGateway, Status: fasthttp.StatusServiceUnavailable, Breaker: MarkIgnored,
 			Reason: ReasonConnectFailure, Label: "refused",
-			Message: "encgate: " + t.subject() + " already has " + strconv.FormatInt(limit.Limit, 10) +
-				" requests in flight (limits.max_inflight_per_encoder); try again later"}
+			Message: "encgate: " + limit.describe(t.subject()) + "; try again later"}
 	case errors.Is(err, fasthttp.ErrNoFreeConns):
 		return Verdict{Kind: KindRefused, Cause: CauseGateway, Status: fasthttp.StatusServiceUnavailable, Breaker: MarkIgnored,
 			Reason: ReasonConnectFailure, Label: "refused",
