@@ -182,7 +182,10 @@ func TestStoppedEncoderIsBoundedAndRecovers(t *testing.T) {
 	// its in-flight limit and its breaker (health would too, later).
 	cfg.Health.Disabled = true
 	cfg.Breaker.ConsecutiveFailures = 2
-	cfg.Breaker.OpenTimeout = configfile.Duration(time.Second) // gobreaker reads the wall clock
+	// The gateway runs on the wall clock here (the processes do): one
+	// short ejection, not growing, so that recovery comes within a second.
+	cfg.Breaker.BaseEjectionTime = configfile.Duration(time.Second)
+	cfg.Breaker.MaxEjectionTime = configfile.Duration(time.Second)
 	cfg.Affinity.UnknownWait = configfile.Duration(time.Second)
 	// One try per call, long enough that what fills the limit is still
 	// held while the next stage runs.
@@ -415,8 +418,8 @@ func TestStoppedEncoderIsBoundedAndRecovers(t *testing.T) {
 		}
 	}
 
-	// Recovery: enc-0 runs again; its breaker lets a probe through after
-	// open_timeout, and new work reaches it.
+	// Recovery: enc-0 runs again; its breaker lets a trial /encode through
+	// once its ejection ends, and new work reaches it.
 	stopped.signal(syscall.SIGCONT)
 	stopped.setFaults(`{}`)
 	i := 0

@@ -174,7 +174,8 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 }
 
 // waitNotOpen waits for the recovered encoder's breaker to leave open
-// (after breaker.open_timeout it turns half-open and takes a probe).
+// (when its ejection ends it turns half-open, and the next real request it
+// gets is its trial).
 func waitNotOpen(ctx context.Context, gw *gateway.Server, name string) error {
 	e, _ := gw.Pool().Lookup(name)
 	deadline := time.Now().Add(10 * time.Second)
@@ -276,7 +277,10 @@ func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry
 	cfg.Limits.MaxConns = 1024
 	cfg.Upstream.MaxConnsPerEncoder = 256
 	cfg.Breaker.ConsecutiveFailures = 3
-	cfg.Breaker.OpenTimeout = configfile.Duration(300 * time.Millisecond)
+	// Short ejections, so that the flaky encoder is back soon after it
+	// recovers: 300ms, growing by as much per trip up to 1.2s.
+	cfg.Breaker.BaseEjectionTime = configfile.Duration(300 * time.Millisecond)
+	cfg.Breaker.MaxEjectionTime = configfile.Duration(1200 * time.Millisecond)
 	// sglang's bootstrap API on loopback: the fleet phase's encoder
 	// registers there and joins after one passed health check.
 	cfg.Bootstrap.Listen = "127.0.0.1:0"

@@ -1387,7 +1387,8 @@ func TestMonitoringNamesExistInARunningGatewayAndAgent(t *testing.T) {
 		{Name: "enc-flaky", URL: flaky.URL()},
 	}
 	cfgA.Breaker.ConsecutiveFailures = 2
-	cfgA.Breaker.OpenTimeout = configfile.Duration(10 * time.Minute) // open until the scrape
+	cfgA.Breaker.BaseEjectionTime = configfile.Duration(10 * time.Minute) // open until the scrape
+	cfgA.Breaker.MaxEjectionTime = cfgA.Breaker.BaseEjectionTime
 	cfgA.Discovery.DNS = []discovery.DNSConfig{{Name: "encoders.invalid.", Port: 30000, Scheme: "http",
 		Interval: configfile.Duration(time.Second), Resolver: fmt.Sprintf("127.0.0.1:%d", monClosedPort(t, "udp"))}}
 	cfgA.RegisterWith = []string{fmt.Sprintf("http://127.0.0.1:%d", monClosedPort(t, "tcp"))}

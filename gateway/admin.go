@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/pprof"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -130,13 +131,47 @@ type UpstreamState struct {
 	Health     upstream.HealthSnapshot `json:"health"`
 }
 
-// BreakerView is the passive (breaker) state of an encoder.
+// BreakerView is the passive (breaker) state of an encoder. The counts
+// (requests .. consecutive_successes) are since the state last changed;
+// recent_* are the last min_requests successes and faults that
+// failure_ratio reads.
 type BreakerView struct {
 	State                string `json:"state"`
 	Requests             uint32 `json:"requests"`
+	TotalSuccesses       uint32 `json:"total_successes"`
 	TotalFailures        uint32 `json:"total_failures"`
 	ConsecutiveFailures  uint32 `json:"consecutive_failures"`
 	ConsecutiveSuccesses uint32 `json:"consecutive_successes"`
+	RecentCounted        int    `json:"recent_counted"`
+	RecentFaults         int    `json:"recent_faults"`
+	// Ejected: from a trip that ejected the encoder until its breaker
+	// closes again (open and half-open).
+	Ejected bool `json:"ejected"`
+	// Trips is the multiplier of the current ejection while ejected, else
+	// of the last one after ejection_decay: the next is one more.
+	Trips int `json:"trips"`
+	// Ejections and SkippedEjections count the breaker's ejections and the
+	// trips max_ejected_percent kept in service.
+	Ejections        uint64 `json:"ejections"`
+	SkippedEjections uint64 `json:"skipped_ejections"`
+	// EjectionSeconds is the current (or last) ejection's length;
+	// EjectedAt and EjectedUntil when it began and ends, while ejected.
+	EjectionSeconds float64   `json:"ejection_seconds"`
+	EjectedAt       time.Time `json:"ejected_at,omitzero"`
+	EjectedUntil    time.Time `json:"ejected_until,omitzero"`
+}
+
+// breakerView is s's view.
+func breakerView(s upstream.BreakerSnapshot) BreakerView {
+	v := BreakerView{State: s.State.String(), Requests: s.Counts.Requests, TotalSuccesses: s.Counts.TotalSuccesses,
+		TotalFailures: s.Counts.TotalFailures, ConsecutiveFailures: s.Counts.ConsecutiveFailures,
+		ConsecutiveSuccesses: s.Counts.ConsecutiveSuccesses, RecentCounted: s.RecentCounted, RecentFaults: s.RecentFaults,
+		Ejected: s.Ejected, Trips: s.Trips, Ejections: s.Ejections, SkippedEjections: s.Skipped,
+		EjectionSeconds: s.Ejection.Seconds()}
+	if s.Ejected {
+		v.EjectedAt, v.EjectedUntil = s.EjectedAt, s.Until
+	}
+	return v
 }
 
 func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
@@ -148,7 +183,6 @@ func (s *Server) upstreamStates() []UpstreamState {
 	pins := s.pool.Pins.CountByEncoder()
 	var out []UpstreamState
 	for _, e := range s.pool.Encoders() {
-		bc := e.Breaker.Counts()
 		membership := "active"
 		if e.Draining() {
 			membership = "draining"
@@ -156,9 +190,8 @@ func (s *Server) upstreamStates() []UpstreamState {
 		out = append(out, UpstreamState{
 			Name: e.Name, URL: e.URL, Source: e.Source(), Membership: membership, Usable: e.Usable(), State: e.State(),
 			Inflight: e.Inflight(), Polls: e.Polls(), Requests: e.Requests(), Pins: pins[e.Name],
-			Breaker: BreakerView{State: e.Breaker.State().String(), Requests: bc.Requests, TotalFailures: bc.TotalFailures,
-				ConsecutiveFailures: bc.ConsecutiveFailures, ConsecutiveSuccesses: bc.ConsecutiveSuccesses},
-			Health: e.Health.Snapshot(),
+			Breaker: breakerView(e.Breaker.Snapshot()),
+			Health:  e.Health.Snapshot(),
 		})
 	}
 	return out

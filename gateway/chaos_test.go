@@ -92,12 +92,14 @@ func openFDs() int {
 
 // chaosConfig is the gateway config of the chaos tests: short per-try
 // timeouts and deadlines so that hangs end in seconds, a breaker that trips
-// after 3 faults and probes again after 200ms (gobreaker reads the wall
-// clock), no active health (TestChaosHealthFlapping turns it on).
+// after 3 faults and ejects for 200ms, growing to 800ms (the tests on the
+// wall clock wait for it; those on a fake clock advance it), no active
+// health (TestChaosHealthFlapping turns it on).
 func chaosConfig(c *Config) {
 	c.Health.Disabled = true
 	c.Breaker.ConsecutiveFailures = 3
-	c.Breaker.OpenTimeout = configfile.Duration(200 * time.Millisecond)
+	c.Breaker.BaseEjectionTime = configfile.Duration(200 * time.Millisecond)
+	c.Breaker.MaxEjectionTime = configfile.Duration(800 * time.Millisecond)
 	c.Affinity.UnknownWait = configfile.Duration(time.Second)
 	for _, p := range []*upstream.RetryPolicy{&c.Retry.Encode, &c.Retry.Metadata, &c.Retry.Send, &c.Retry.ReceiveURL} {
 		p.PerTryTimeout = configfile.Duration(time.Second)
@@ -364,15 +366,21 @@ func (c *chaos) transitions(name string, from, to upstream.BreakerState) float64
 }
 
 // awaitReturn waits until name takes new work again: its breaker has left
-// the open state by itself (its timer), and an /encode owned by name (from
-// ids, in turn) was answered 200 by name with its breaker closed. Each try
-// is a real /encode: a half-open breaker closes on a request that succeeds.
+// the open state by itself (its timer; on a fake clock, awaitReturn moves
+// the clock to the ejection's end), and an /encode owned by name (from ids,
+// in turn) was answered 200 by name with its breaker closed. Each try is a
+// real /encode: a half-open breaker closes on a request that succeeds.
 // It returns the ids it did not use.
 func (c *chaos) awaitReturn(name string, ids []string) []string {
 	c.t.Helper()
 	e := c.encoder(name)
 	i := 0
 	eventually(c.t, name+" to take /encodes again", func() bool {
+		if fake, ok := c.clk.(*clock.Fake); ok {
+			if s := e.Breaker.Snapshot(); s.State == upstream.BreakerOpen {
+				fake.Advance(s.Until.Sub(fake.Now()))
+			}
+		}
 		if e.Breaker.State() == upstream.BreakerOpen || !e.Health.Up() {
 			return false
 		}

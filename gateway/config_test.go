@@ -282,3 +282,26 @@ func TestMovedRedisSectionIsNamed(t *testing.T) {
 		t.Fatalf("cluster without nodes: %v", err)
 	}
 }
+
+// An old config with breaker.interval or breaker.open_timeout (the
+// gobreaker keys) is refused with what replaced them, not as unknown keys.
+func TestMovedBreakerKeysAreNamed(t *testing.T) {
+	enc := "encoders:\n  - {name: a, url: \"http://127.0.0.1:30001\"}\n"
+	_, err := LoadConfig(secretfiletest.Write(t, "gateway.yaml", enc+
+		"breaker:\n  consecutive_failures: 5\n  interval: 10s\n  open_timeout: 30s\n", 0o600))
+	if err == nil {
+		t.Fatal("breaker.interval and breaker.open_timeout accepted")
+	}
+	for _, want := range []string{
+		"breaker.interval: is gone: faults are no longer counted in a time window",
+		"breaker.failure_ratio over the last breaker.min_requests outcomes",
+		"breaker.open_timeout: is gone: an ejection lasts breaker.base_ejection_time times the encoder's trips, up to breaker.max_ejection_time",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error lacks %q:\n%v", want, err)
+		}
+	}
+	if strings.Contains(err.Error(), "not found") || strings.Contains(err.Error(), "unknown") {
+		t.Errorf("a moved key reads as unknown:\n%v", err)
+	}
+}

@@ -161,7 +161,10 @@ func TestThreeReplicasActAsOne(t *testing.T) {
 	// others place on enc-0 have follow-ups on the first replica too.
 	t.Run("breaker open on one replica only", func(t *testing.T) {
 		encs := startFakes(t, 3, nil)
-		r := newThreeReplicas(t, fakeURLs(encs), func(c *Config) { c.Breaker.OpenTimeout = configfile.Duration(time.Hour) })
+		r := newThreeReplicas(t, fakeURLs(encs), func(c *Config) {
+			c.Breaker.BaseEjectionTime = configfile.Duration(time.Hour)
+			c.Breaker.MaxEjectionTime = c.Breaker.BaseEjectionTime
+		})
 		e, ok := r.gws[0].Pool().Lookup("enc-0")
 		if !ok {
 			t.Fatal("no enc-0")

@@ -1,9 +1,11 @@
 package gateway
 
 import (
+	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/encgate/encgate/fakeencoder"
 )
@@ -54,7 +56,9 @@ func TestStatusPageShowsTheFleetAndIsProtected(t *testing.T) {
 	}
 	page := a.body
 	for _, want := range []string{`data-encoder="enc-0"`, `data-encoder="enc-1"`, encs[0].URL(),
-		`<meta http-equiv="refresh"`, `breaker open">open</span>`, `breaker closed">closed</span>`} {
+		`<meta http-equiv="refresh"`, `breaker open">open</span>`, `breaker closed">closed</span>`,
+		`breaker open">open</span> <span class="muted">(ejected: trip 1, for 30 s, until `,
+		`breaker closed">closed</span> <span class="muted">(0 failures in a row)`} {
 		if !strings.Contains(page, want) {
 			t.Errorf("the page lacks %q", want)
 		}
@@ -84,6 +88,25 @@ func TestStatusPageShowsTheFleetAndIsProtected(t *testing.T) {
 	pretty := strings.NewReplacer(`"`, "", ",", ", ").Replace(labels)
 	if !strings.Contains(page, "<td>"+pretty+"</td><td class=\"num\">"+value+"</td>") {
 		t.Errorf("the page does not show %s = %s as /metrics does (%s)", pretty, value, line)
+	}
+	// /admin/upstreams shows the trip, the ejection and when it ends.
+	var rows []UpstreamState
+	if err := json.Unmarshal([]byte(doWith(t, http.MethodGet, g.admin+"/admin/upstreams", "", auth).body), &rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		b := r.Breaker
+		switch r.Name {
+		case "enc-1":
+			if !b.Ejected || b.State != "open" || b.Trips != 1 || b.Ejections != 1 || b.EjectionSeconds != 30 ||
+				b.EjectedUntil.Sub(b.EjectedAt) != 30*time.Second || b.TotalFailures != 0 {
+				t.Errorf("enc-1's breaker in /admin/upstreams: %+v", b)
+			}
+		case "enc-0":
+			if b.Ejected || b.Trips != 0 || !b.EjectedUntil.IsZero() || b.RecentCounted == 0 {
+				t.Errorf("enc-0's breaker in /admin/upstreams: %+v", b)
+			}
+		}
 	}
 	if st := doWith(t, http.MethodGet, g.admin+"/nope", "", auth).status; st != http.StatusNotFound {
 		t.Errorf("GET /nope: %d, want 404 (the page is only at /)", st)

@@ -7,11 +7,14 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.yaml.in/yaml/v3"
 
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/sglang"
 )
@@ -24,15 +27,49 @@ type breakerTransition struct {
 
 func (tr breakerTransition) String() string { return fmt.Sprintf("%s->%s", tr.from, tr.to) }
 
-// newTestBreaker returns a breaker whose transitions arrive on the channel.
-func newTestBreaker(t *testing.T, cfg BreakerConfig) (*Breaker, <-chan breakerTransition) {
+// testEpoch is where the breaker tests' fake clocks start.
+var testEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// testBreaker is a breaker on a fake clock whose transitions and trips
+// arrive on channels.
+type testBreaker struct {
+	*Breaker
+	clk   *clock.Fake
+	ch    chan breakerTransition
+	trips chan BreakerTrip
+}
+
+// newTestBreaker returns a breaker on a fake clock whose transitions arrive
+// on the channel.
+func newTestBreaker(t *testing.T, cfg BreakerConfig) (*testBreaker, <-chan breakerTransition) {
 	t.Helper()
-	ch := make(chan breakerTransition, 64)
-	b := NewBreaker("enc-a", cfg, func(name string, from, to BreakerState) {
-		ch <- breakerTransition{name, from, to}
+	tb := &testBreaker{clk: clock.NewFake(testEpoch), ch: make(chan breakerTransition, 64), trips: make(chan BreakerTrip, 64)}
+	tb.Breaker = NewBreaker("enc-a", cfg, tb.clk, BreakerHooks{
+		OnChange: func(name string, from, to BreakerState) { tb.ch <- breakerTransition{name, from, to} },
+		OnTrip:   func(_ string, trip BreakerTrip) { tb.trips <- trip },
 	})
-	t.Cleanup(b.Stop)
-	return b, ch
+	t.Cleanup(tb.Stop)
+	return tb, tb.ch
+}
+
+// trip sends consecutive_failures faults and checks that the breaker
+// opened, for want.
+func (tb *testBreaker) trip(t *testing.T, from BreakerState, want time.Duration) {
+	t.Helper()
+	n := tb.cfg.ConsecutiveFailures
+	if from == BreakerHalfOpen {
+		n = 1
+	}
+	for i := 0; i < n; i++ {
+		send(t, tb.Breaker, answer500)
+	}
+	waitTransition(t, tb.ch, from, BreakerOpen)
+	if s := tb.Snapshot(); s.State != BreakerOpen || s.Ejection != want || !s.Ejected || !s.Until.Equal(tb.clk.Now().Add(want)) {
+		t.Fatalf("after the trip: %+v, want open for %s", s, want)
+	}
+	if tr := <-tb.trips; !tr.Ejected || tr.Ejection != want {
+		t.Fatalf("trip %+v, want an ejection of %s", tr, want)
+	}
 }
 
 // waitTransition waits for the next onChange call; the timeout only turns a
@@ -60,11 +97,11 @@ func noTransition(t *testing.T, ch <-chan breakerTransition) {
 
 // send runs one /encode through b with outcome o, as the exchange judges
 // it; it fails if b refuses.
-func send(t *testing.T, b *Breaker, o Observation) {
+func send(t *testing.T, b interface{ Allow() (func(Mark), bool) }, o Observation) {
 	t.Helper()
 	done, ok := b.Allow()
 	if !ok {
-		t.Fatalf("Allow refused in state %s", b.State())
+		t.Fatal("Allow refused")
 	}
 	done(mark(o))
 }
@@ -88,7 +125,7 @@ var (
 // consecutiveOnly trips on consecutive faults only.
 func consecutiveOnly() BreakerConfig {
 	c := DefaultBreaker()
-	c.MinRequests = 1 << 20
+	c.MinRequests = maxMinRequests
 	return c
 }
 
@@ -113,9 +150,26 @@ func TestBreakerTripsAfterConsecutiveFaults(t *testing.T) {
 		t.Fatalf("state after 5 faults in a row = %s", s)
 	}
 	waitTransition(t, ch, BreakerClosed, BreakerOpen)
+	if tr := <-b.trips; tr.Reason != "consecutive_failures" || !tr.Ejected || tr.Trips != 1 || tr.Ejection != 30*time.Second {
+		t.Fatalf("trip %+v", tr)
+	}
 	if done, ok := b.Allow(); ok || done != nil {
 		t.Fatal("open breaker allowed a request")
 	}
+}
+
+// Issue 25: one /encode every 3 s, each a fault, never tripped a breaker
+// that forgot its counts every 10 s. Faults are not forgotten with time.
+func TestBreakerFaultsFarApartStillTrip(t *testing.T) {
+	cfg := DefaultBreaker()
+	b, ch := newTestBreaker(t, cfg)
+	for i := 0; i < cfg.ConsecutiveFailures-1; i++ {
+		send(t, b, answer500)
+		b.clk.Advance(time.Hour)
+	}
+	noTransition(t, ch)
+	send(t, b, answer500)
+	waitTransition(t, ch, BreakerClosed, BreakerOpen)
 }
 
 func TestBreakerNoAnswerFaultsCount(t *testing.T) {
@@ -155,17 +209,44 @@ func TestBreakerRatioTrip(t *testing.T) {
 		} else {
 			send(t, b, answer500)
 		}
+		b.clk.Advance(time.Minute) // time forgets nothing
 	}
 	if s := b.State(); s != BreakerClosed {
 		t.Fatalf("state after 19 outcomes = %s (counts %+v)", s, b.Counts())
 	}
+	if s := b.Snapshot(); s.RecentCounted != 19 || s.RecentFaults != 9 {
+		t.Fatalf("ring %d/%d, want 9 faults of 19", s.RecentFaults, s.RecentCounted)
+	}
 	noTransition(t, ch)
 	send(t, b, answer500) // 20 counted, 10 faults: ratio 0.5
 	waitTransition(t, ch, BreakerClosed, BreakerOpen)
-	inflight(mark(answer200)) // from the old generation: no effect
+	if tr := <-b.trips; tr.Reason != "failure_ratio" {
+		t.Fatalf("trip %+v", tr)
+	}
+	inflight(mark(answer200)) // from before the trip: no effect
 	if s := b.State(); s != BreakerOpen {
 		t.Fatalf("state = %s", s)
 	}
+}
+
+// The ratio is over the last min_requests outcomes: older ones slide out,
+// and a long good history does not dilute a recent run of faults.
+func TestBreakerRatioRingSlides(t *testing.T) {
+	cfg := DefaultBreaker()
+	cfg.ConsecutiveFailures = 1000
+	cfg.MinRequests = 4
+	b, ch := newTestBreaker(t, cfg)
+	send(t, b, answer500) // slides out below
+	for i := 0; i < 8; i++ {
+		send(t, b, answer200)
+	}
+	send(t, b, answer500) // ring: S S S F
+	if s := b.Snapshot(); s.State != BreakerClosed || s.RecentCounted != 4 || s.RecentFaults != 1 {
+		t.Fatalf("snapshot %+v, want closed with 1 fault of 4", s)
+	}
+	noTransition(t, ch)
+	send(t, b, answer500) // ring: S S F F, 2 of 11 overall
+	waitTransition(t, ch, BreakerClosed, BreakerOpen)
 }
 
 func TestBreakerRatioBelowThresholdStaysClosed(t *testing.T) {
@@ -210,70 +291,141 @@ func TestBreakerCallerErrorsNeverTrip(t *testing.T) {
 	if c.TotalFailures != 0 || c.TotalSuccesses != 400 || c.TotalExclusions != 1000 || c.Requests != 1400 {
 		t.Fatalf("counts = %+v", c)
 	}
+	if s := b.Snapshot(); s.RecentCounted != 1 || s.RecentFaults != 0 {
+		t.Fatalf("ring %d/%d: ignored outcomes entered it", s.RecentFaults, s.RecentCounted)
+	}
 }
 
 func TestBreakerHalfOpenCycle(t *testing.T) {
 	cfg := consecutiveOnly()
-	cfg.OpenTimeout = configfile.Duration(50 * time.Millisecond)
-	cfg.Interval = configfile.Duration(time.Hour)
+	base := cfg.BaseEjectionTime.D()
 	b, ch := newTestBreaker(t, cfg)
-
-	trip := func() {
-		t.Helper()
-		for i := 0; i < 5; i++ {
-			send(t, b, dialFailure)
-		}
-		waitTransition(t, ch, BreakerClosed, BreakerOpen)
-		if _, ok := b.Allow(); ok {
-			t.Fatal("open breaker allowed a request")
-		}
+	b.trip(t, BreakerClosed, base)
+	if _, ok := b.Allow(); ok {
+		t.Fatal("open breaker allowed a request")
 	}
-	trip()
+	b.clk.Advance(base - time.Nanosecond)
+	if _, ok := b.Allow(); ok || b.State() != BreakerOpen {
+		t.Fatalf("a breaker %s short of its ejection's end allowed a request or left open", time.Nanosecond)
+	}
+	noTransition(t, ch)
 
-	// Nobody asks the breaker anything: its own timer moves it.
+	// Nobody asks the breaker anything: its timer on the clock moves it.
+	b.clk.Advance(time.Nanosecond)
 	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
-	if s := b.State(); s != BreakerHalfOpen {
-		t.Fatalf("state = %s", s)
+	if s := b.Snapshot(); s.State != BreakerHalfOpen || !s.Ejected {
+		t.Fatalf("snapshot %+v, want half-open and still ejected", s)
 	}
 	probe, ok := b.Allow()
 	if !ok {
-		t.Fatal("half-open breaker refused its probe")
+		t.Fatal("half-open breaker refused its trial")
 	}
 	if _, ok := b.Allow(); ok {
-		t.Fatal("half-open breaker allowed a second probe")
+		t.Fatal("half-open breaker allowed a second trial")
 	}
 	probe(mark(answer200))
 	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
-	if s := b.State(); s != BreakerClosed {
-		t.Fatalf("state after a good probe = %s", s)
+	if s := b.Snapshot(); s.State != BreakerClosed || s.Ejected || s.Trips != 1 || s.Ejections != 1 {
+		t.Fatalf("snapshot after a good trial %+v", s)
 	}
 	send(t, b, answer200)
 
-	trip()
+	// Tripped again at once: the second ejection is twice the first; its
+	// failed trial makes the third three times.
+	b.trip(t, BreakerClosed, 2*base)
+	b.clk.Advance(2 * base)
 	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
-	probe, ok = b.Allow()
-	if !ok {
-		t.Fatal("half-open breaker refused its probe")
-	}
-	probe(mark(answer500))
-	waitTransition(t, ch, BreakerHalfOpen, BreakerOpen)
+	b.trip(t, BreakerHalfOpen, 3*base)
 	if _, ok := b.Allow(); ok {
 		t.Fatal("reopened breaker allowed a request")
 	}
-	// and it comes back to half-open again by itself
+	b.clk.Advance(3 * base)
 	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+	if s := b.Snapshot(); s.Ejections != 3 || s.Trips != 3 {
+		t.Fatalf("snapshot %+v, want 3 ejections", s)
+	}
+}
+
+// Each trip of the same encoder ejects it for one more base, up to the max.
+func TestBreakerEjectionGrowsAndIsCapped(t *testing.T) {
+	cfg := consecutiveOnly()
+	cfg.BaseEjectionTime = configfile.Duration(30 * time.Second)
+	cfg.MaxEjectionTime = configfile.Duration(100 * time.Second)
+	b, ch := newTestBreaker(t, cfg)
+	want := []time.Duration{30 * time.Second, 60 * time.Second, 90 * time.Second, 100 * time.Second, 100 * time.Second}
+	b.trip(t, BreakerClosed, want[0])
+	for _, d := range want[1:] {
+		b.clk.Advance(b.Snapshot().Ejection)
+		waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+		b.trip(t, BreakerHalfOpen, d) // its trial fails
+	}
+	if d := cfg.ejectionFor(1 << 40); d != 100*time.Second {
+		t.Fatalf("ejectionFor(2^40) = %s: overflowed past the cap", d)
+	}
+}
+
+// A closed breaker forgets one trip per full ejection_decay without one;
+// an ejected one forgets nothing.
+func TestBreakerEjectionDecay(t *testing.T) {
+	cfg := consecutiveOnly()
+	base, decay := cfg.BaseEjectionTime.D(), cfg.EjectionDecay.D()
+	b, ch := newTestBreaker(t, cfg)
+	// Three ejections: 1, 2, 3 bases; the last lasts longer than a decay
+	// period and forgets nothing meanwhile.
+	b.trip(t, BreakerClosed, base)
+	for k := 2; k <= 3; k++ {
+		b.clk.Advance(b.Snapshot().Ejection)
+		waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+		b.trip(t, BreakerHalfOpen, time.Duration(k)*base)
+	}
+	if 3*base <= decay {
+		t.Fatalf("the test needs an ejection longer than the decay period")
+	}
+	b.clk.Advance(3 * base)
+	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+	send(t, b, answer200)
+	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
+	if n := b.Snapshot().Trips; n != 3 {
+		t.Fatalf("trips after the ejections = %d, want 3", n)
+	}
+	b.clk.Advance(decay - time.Nanosecond)
+	if n := b.Snapshot().Trips; n != 3 {
+		t.Fatalf("trips short of a decay period = %d, want 3", n)
+	}
+	b.clk.Advance(time.Nanosecond)
+	if n := b.Snapshot().Trips; n != 2 {
+		t.Fatalf("trips after a decay period = %d, want 2", n)
+	}
+	b.clk.Advance(decay + decay/2) // one more full period, and half of one
+	if n := b.Snapshot().Trips; n != 1 {
+		t.Fatalf("trips after two and a half periods = %d, want 1", n)
+	}
+	b.clk.Advance(decay / 2) // the half completes the third period
+	if n := b.Snapshot().Trips; n != 0 {
+		t.Fatalf("trips after three periods = %d, want 0", n)
+	}
+	b.clk.Advance(10 * decay)
+	b.trip(t, BreakerClosed, base) // back at base
+	b.clk.Advance(base)
+	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+	send(t, b, answer200)
+	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
+	b.clk.Advance(decay / 2)
+	b.trip(t, BreakerClosed, 2*base) // within a period: remembered
 }
 
 func TestBreakerHalfOpenIgnoredProbeFreesTheSlot(t *testing.T) {
 	cfg := consecutiveOnly()
-	cfg.OpenTimeout = configfile.Duration(50 * time.Millisecond)
 	b, ch := newTestBreaker(t, cfg)
-	for i := 0; i < 5; i++ {
-		send(t, b, answer500)
-	}
-	waitTransition(t, ch, BreakerClosed, BreakerOpen)
+	b.trip(t, BreakerClosed, cfg.BaseEjectionTime.D())
+	b.clk.Advance(cfg.BaseEjectionTime.D())
 	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
 	send(t, b, answerLag) // says nothing about the encoder
+	done, ok := b.Allow() // a request the gateway never sent
+	if !ok {
+		t.Fatal("an ignored trial kept its slot")
+	}
+	done(MarkNone)
 	if s := b.State(); s != BreakerHalfOpen {
 		t.Fatalf("state = %s", s)
 	}
@@ -281,34 +433,93 @@ func TestBreakerHalfOpenIgnoredProbeFreesTheSlot(t *testing.T) {
 	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
 }
 
+// half_open_requests trials go; all must succeed, one fault reopens.
 func TestBreakerHalfOpenRequests(t *testing.T) {
 	cfg := consecutiveOnly()
-	cfg.OpenTimeout = configfile.Duration(50 * time.Millisecond)
 	cfg.HalfOpenRequests = 3
+	base := cfg.BaseEjectionTime.D()
 	b, ch := newTestBreaker(t, cfg)
-	for i := 0; i < 5; i++ {
-		send(t, b, answer500)
-	}
-	waitTransition(t, ch, BreakerClosed, BreakerOpen)
-	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
-	var probes []func(Mark)
-	for i := 0; i < 3; i++ {
-		done, ok := b.Allow()
-		if !ok {
-			t.Fatalf("probe %d refused", i)
+	b.trip(t, BreakerClosed, base)
+	trials := func() []func(Mark) {
+		t.Helper()
+		var out []func(Mark)
+		for i := 0; i < 3; i++ {
+			done, ok := b.Allow()
+			if !ok {
+				t.Fatalf("trial %d refused", i)
+			}
+			out = append(out, done)
 		}
-		probes = append(probes, done)
+		if _, ok := b.Allow(); ok {
+			t.Fatal("fourth trial allowed")
+		}
+		return out
 	}
-	if _, ok := b.Allow(); ok {
-		t.Fatal("fourth probe allowed")
+	b.clk.Advance(base)
+	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+	probes := trials()
+	probes[0](MarkSuccess)
+	probes[1](MarkFault)
+	waitTransition(t, ch, BreakerHalfOpen, BreakerOpen)
+	probes[2](MarkSuccess) // of the last generation: no effect
+	if s := b.Snapshot(); s.State != BreakerOpen || s.Ejection != 2*base {
+		t.Fatalf("snapshot %+v", s)
 	}
-	probes[0](mark(answer200))
-	probes[1](mark(answer200))
+	b.clk.Advance(2 * base)
+	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
+	probes = trials()
+	probes[0](MarkSuccess)
+	probes[1](MarkSuccess)
 	if s := b.State(); s != BreakerHalfOpen {
 		t.Fatalf("state after 2 of 3 = %s", s)
 	}
-	probes[2](mark(answer200))
+	probes[2](MarkSuccess)
 	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
+}
+
+// A gate that admits nothing keeps the encoder in service: the trip is
+// counted and the breaker counts afresh.
+type refusingGate struct{ admits, releases atomic.Int32 }
+
+func (g *refusingGate) Admit(*Breaker) bool { g.admits.Add(1); return false }
+func (g *refusingGate) Release(*Breaker)    { g.releases.Add(1) }
+
+func TestBreakerGateKeepsInService(t *testing.T) {
+	cfg := consecutiveOnly()
+	var g refusingGate
+	ch := make(chan breakerTransition, 8)
+	trips := make(chan BreakerTrip, 8)
+	b := NewBreaker("enc-a", cfg, clock.NewFake(testEpoch), BreakerHooks{
+		OnChange: func(n string, from, to BreakerState) { ch <- breakerTransition{n, from, to} },
+		OnTrip:   func(_ string, tr BreakerTrip) { trips <- tr },
+		Gate:     &g,
+	})
+	defer b.Stop()
+	for i := 0; i < 5; i++ {
+		send(t, b, answer500)
+	}
+	if tr := <-trips; tr.Ejected || tr.Reason != "consecutive_failures" {
+		t.Fatalf("trip %+v, want one kept in service", tr)
+	}
+	noTransition(t, ch)
+	s := b.Snapshot()
+	if s.State != BreakerClosed || s.Ejected || s.Skipped != 1 || s.Ejections != 0 || s.Counts.ConsecutiveFailures != 0 || s.Trips != 0 {
+		t.Fatalf("snapshot %+v", s)
+	}
+	// Counting starts afresh: four more faults are not a trip.
+	for i := 0; i < 4; i++ {
+		send(t, b, answer500)
+	}
+	if g.admits.Load() != 1 {
+		t.Fatalf("gate asked %d times", g.admits.Load())
+	}
+	send(t, b, answer500)
+	if g.admits.Load() != 2 || b.Snapshot().Skipped != 2 {
+		t.Fatalf("gate asked %d times, %d skipped", g.admits.Load(), b.Snapshot().Skipped)
+	}
+	if g.releases.Load() != 0 {
+		t.Fatal("released what it never held")
+	}
 }
 
 func TestBreakerDoneTwiceCountsOnce(t *testing.T) {
@@ -339,29 +550,40 @@ func TestBreakerDisabled(t *testing.T) {
 	}
 }
 
-func TestBreakerStopSilencesOnChange(t *testing.T) {
+func TestBreakerStopSilencesHooksAndTimer(t *testing.T) {
 	cfg := consecutiveOnly()
-	cfg.OpenTimeout = configfile.Duration(time.Millisecond)
 	b, ch := newTestBreaker(t, cfg)
-	b.Stop()
-	for i := 0; i < 5; i++ {
-		send(t, b, answer500)
+	b.trip(t, BreakerClosed, cfg.BaseEjectionTime.D())
+	if n := b.clk.Pending(); n != 1 {
+		t.Fatalf("%d timers pending on an open breaker, want 1", n)
 	}
-	if s := b.State(); s != BreakerOpen && s != BreakerHalfOpen {
+	b.Stop()
+	if n := b.clk.Pending(); n != 0 {
+		t.Fatalf("%d timers pending after Stop", n)
+	}
+	b.clk.Advance(cfg.BaseEjectionTime.D())
+	if s := b.State(); s != BreakerHalfOpen {
+		t.Fatalf("state = %s", s)
+	}
+	send(t, b, answer500)
+	if s := b.State(); s != BreakerOpen {
 		t.Fatalf("state = %s", s)
 	}
 	noTransition(t, ch)
+	if len(b.trips) != 0 {
+		t.Fatalf("%d trips heard after Stop", len(b.trips))
+	}
+	b.Stop() // twice is fine
 }
 
-func TestBreakerNilOnChange(t *testing.T) {
+func TestBreakerNilHooksAndClock(t *testing.T) {
 	cfg := consecutiveOnly()
-	cfg.OpenTimeout = configfile.Duration(time.Millisecond)
-	b := NewBreaker("enc-a", cfg, nil)
+	b := NewBreaker("enc-a", cfg, nil, BreakerHooks{})
 	defer b.Stop()
 	for i := 0; i < 5; i++ {
 		send(t, b, answer500)
 	}
-	if b.State() == BreakerClosed {
+	if b.State() != BreakerOpen {
 		t.Fatal("breaker did not trip")
 	}
 	if b.Name() != "enc-a" {
@@ -371,8 +593,8 @@ func TestBreakerNilOnChange(t *testing.T) {
 
 func TestBreakerConcurrent(t *testing.T) {
 	cfg := DefaultBreaker()
-	cfg.OpenTimeout = configfile.Duration(time.Millisecond)
-	b := NewBreaker("enc-a", cfg, func(string, BreakerState, BreakerState) {})
+	clk := clock.NewFake(testEpoch)
+	b := NewBreaker("enc-a", cfg, clk, BreakerHooks{OnChange: func(string, BreakerState, BreakerState) {}})
 	defer b.Stop()
 	var wg sync.WaitGroup
 	for g := 0; g < 8; g++ {
@@ -387,8 +609,12 @@ func TestBreakerConcurrent(t *testing.T) {
 						done(MarkSuccess)
 					}
 				}
+				if i%100 == 0 {
+					clk.Advance(time.Minute)
+				}
 				_ = b.State()
 				_ = b.Counts()
+				_ = b.Snapshot()
 			}
 		}()
 	}
@@ -414,7 +640,8 @@ func TestBreakerValidate(t *testing.T) {
 	}
 	d := DefaultBreaker()
 	if len(d.Ignore) != 0 || d.ConsecutiveFailures != 5 || d.FailureRatio != 0.5 || d.MinRequests != 20 ||
-		d.Interval.D() != 10*time.Second || d.OpenTimeout.D() != 30*time.Second || d.HalfOpenRequests != 1 || d.Disabled {
+		d.BaseEjectionTime.D() != 30*time.Second || d.MaxEjectionTime.D() != 300*time.Second ||
+		d.EjectionDecay.D() != 60*time.Second || d.MaxEjectedPercent != 50 || d.HalfOpenRequests != 1 || d.Disabled {
 		t.Fatalf("defaults = %+v", d)
 	}
 
@@ -422,8 +649,10 @@ func TestBreakerValidate(t *testing.T) {
 		ConsecutiveFailures: 0,
 		FailureRatio:        1.5,
 		MinRequests:         -1,
-		Interval:            0,
-		OpenTimeout:         -1,
+		BaseEjectionTime:    0,
+		MaxEjectionTime:     -1,
+		EjectionDecay:       0,
+		MaxEjectedPercent:   101,
 		HalfOpenRequests:    0,
 		Ignore: []Condition{
 			{Kind: OnStatus, Status: 504, BodyContains: "x"},
@@ -442,8 +671,10 @@ func TestBreakerValidate(t *testing.T) {
 		"breaker.consecutive_failures: must be >= 1",
 		"breaker.failure_ratio: must be in (0, 1]",
 		"breaker.min_requests: must be >= 1",
-		"breaker.interval: must be > 0",
-		"breaker.open_timeout: must be > 0",
+		"breaker.base_ejection_time: must be > 0",
+		"breaker.max_ejection_time: must be >= base_ejection_time (0s), got -1ns",
+		"breaker.ejection_decay: must be > 0",
+		"breaker.max_ejected_percent: must be between 0 and 100, got 101",
 		"breaker.half_open_requests: must be >= 1",
 		"breaker.ignore[1]: connect_failure cannot be ignored",
 		"breaker.ignore[2]: timeout cannot be ignored",
@@ -455,21 +686,40 @@ func TestBreakerValidate(t *testing.T) {
 	if strings.Contains(msg, "ignore[0]") {
 		t.Errorf("a status condition was refused:\n%s", msg)
 	}
-	for _, r := range []float64{0, -0.1, 1.0000001} {
+	for _, mut := range []struct {
+		f    func(*BreakerConfig)
+		want string
+	}{
+		{func(c *BreakerConfig) { c.FailureRatio = 0 }, "failure_ratio"},
+		{func(c *BreakerConfig) { c.FailureRatio = -0.1 }, "failure_ratio"},
+		{func(c *BreakerConfig) { c.FailureRatio = 1.0000001 }, "failure_ratio"},
+		{func(c *BreakerConfig) { c.MinRequests = maxMinRequests + 1 }, "b.min_requests: must be <= 65536, got 65537"},
+		{func(c *BreakerConfig) { c.MaxEjectedPercent = -1 }, "b.max_ejected_percent: must be between 0 and 100, got -1"},
+		{func(c *BreakerConfig) { c.MaxEjectionTime = configfile.Duration(29 * time.Second) },
+			"b.max_ejection_time: must be >= base_ejection_time (30s), got 29s"},
+	} {
 		c := DefaultBreaker()
-		c.FailureRatio = r
+		mut.f(&c)
 		p = configfile.Problems{}
 		c.Validate(&p, "b")
-		if p.Err() == nil {
-			t.Errorf("failure_ratio %v accepted", r)
+		if err := p.Err(); err == nil || !strings.Contains(err.Error(), mut.want) {
+			t.Errorf("%+v: %v, want %q", c, err, mut.want)
 		}
 	}
-	c := DefaultBreaker()
-	c.FailureRatio = 1
-	p = configfile.Problems{}
-	c.Validate(&p, "b")
-	if err := p.Err(); err != nil {
-		t.Errorf("failure_ratio 1 refused: %v", err)
+	for _, mut := range []func(*BreakerConfig){
+		func(c *BreakerConfig) { c.FailureRatio = 1 },
+		func(c *BreakerConfig) { c.MaxEjectedPercent = 0 },
+		func(c *BreakerConfig) { c.MaxEjectedPercent = 100 },
+		func(c *BreakerConfig) { c.MinRequests = maxMinRequests },
+		func(c *BreakerConfig) { c.MaxEjectionTime = c.BaseEjectionTime },
+	} {
+		c := DefaultBreaker()
+		mut(&c)
+		p = configfile.Problems{}
+		c.Validate(&p, "b")
+		if err := p.Err(); err != nil {
+			t.Errorf("%+v refused: %v", c, err)
+		}
 	}
 }
 
@@ -479,8 +729,10 @@ func TestBreakerYAML(t *testing.T) {
 consecutive_failures: 3
 failure_ratio: 0.25
 min_requests: 8
-interval: 5s
-open_timeout: 1m
+base_ejection_time: 5s
+max_ejection_time: 1m
+ejection_decay: 2m
+max_ejected_percent: 34
 half_open_requests: 2
 ignore:
   - {status: 504, body_contains: "encode metadata not ready"}
@@ -490,7 +742,8 @@ disabled: false
 		t.Fatal(err)
 	}
 	if cfg.ConsecutiveFailures != 3 || cfg.FailureRatio != 0.25 || cfg.MinRequests != 8 ||
-		cfg.Interval.D() != 5*time.Second || cfg.OpenTimeout.D() != time.Minute || cfg.HalfOpenRequests != 2 ||
+		cfg.BaseEjectionTime.D() != 5*time.Second || cfg.MaxEjectionTime.D() != time.Minute ||
+		cfg.EjectionDecay.D() != 2*time.Minute || cfg.MaxEjectedPercent != 34 || cfg.HalfOpenRequests != 2 ||
 		len(cfg.Ignore) != 1 || cfg.Ignore[0] != (Condition{Kind: OnStatus, Status: 504, BodyContains: "encode metadata not ready"}) {
 		t.Fatalf("decoded %+v", cfg)
 	}
@@ -508,6 +761,36 @@ disabled: false
 	cfg.Validate(&p, "breaker")
 	if err := p.Err(); err == nil || !strings.Contains(err.Error(), "breaker.ignore[0]") {
 		t.Fatalf("connect_failure in ignore: %v", err)
+	}
+}
+
+// The keys of the gobreaker-era breaker are refused with what replaced
+// them, and are never written out.
+func TestBreakerMovedKeys(t *testing.T) {
+	cfg := DefaultBreaker()
+	if err := configfile.Decode([]byte("interval: 10s\nopen_timeout: 30s\n"), &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var p configfile.Problems
+	cfg.Validate(&p, "breaker")
+	err := p.Err()
+	if err == nil {
+		t.Fatal("interval and open_timeout accepted")
+	}
+	for _, want := range []string{
+		"breaker.interval: is gone: faults are no longer counted in a time window that forgets them; the breaker trips on breaker.consecutive_failures in a row, or on breaker.failure_ratio over the last breaker.min_requests outcomes",
+		"breaker.open_timeout: is gone: an ejection lasts breaker.base_ejection_time times the encoder's trips, up to breaker.max_ejection_time",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("problems lack %q:\n%v", want, err)
+		}
+	}
+	out, err := yaml.Marshal(DefaultBreaker())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(out), "interval") || strings.Contains(string(out), "open_timeout") {
+		t.Fatalf("a moved key is written out:\n%s", out)
 	}
 }
 

@@ -263,42 +263,6 @@ func TestHealthDisabled(t *testing.T) {
 	}
 }
 
-// The integrator feeds a half-open breaker with probe results.
-func TestHealthResultClosesHalfOpenBreaker(t *testing.T) {
-	bcfg := consecutiveOnly()
-	bcfg.OpenTimeout = configfile.Duration(50 * time.Millisecond)
-	b, ch := newTestBreaker(t, bcfg)
-	for i := 0; i < 5; i++ {
-		send(t, b, dialFailure)
-	}
-	waitTransition(t, ch, BreakerClosed, BreakerOpen)
-	waitTransition(t, ch, BreakerOpen, BreakerHalfOpen)
-
-	cfg := DefaultHealth()
-	clk := clock.NewFake(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
-	h := NewHealth("enc-a", cfg, func(context.Context) error { return nil }, clk, nil, func(err error) {
-		if b.State() != BreakerHalfOpen {
-			return
-		}
-		if done, ok := b.Allow(); ok {
-			if err != nil {
-				done(MarkFault)
-			} else {
-				done(MarkSuccess)
-			}
-		}
-	}, nil)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	created := clk.TimerCreated()
-	go func() { defer close(done); h.Run(ctx) }()
-	<-created
-	clk.Advance(cfg.Interval.D())
-	waitTransition(t, ch, BreakerHalfOpen, BreakerClosed)
-	cancel()
-	<-done
-}
-
 func TestHealthValidate(t *testing.T) {
 	var p configfile.Problems
 	d := DefaultHealth()

@@ -21,6 +21,10 @@ type poolMetrics struct {
 	refused     *prometheus.CounterVec // encoder, reason
 	polls       *prometheus.GaugeVec   // encoder
 	outcomes    *prometheus.CounterVec // encoder, outcome
+	ejected     *prometheus.GaugeVec   // encoder
+	ejections   *prometheus.CounterVec // encoder
+	skipped     *prometheus.CounterVec // encoder
+	ejection    *prometheus.GaugeVec   // encoder
 
 	requests        *prometheus.CounterVec // encoder, route, code
 	retries         *prometheus.CounterVec // route, reason
@@ -68,6 +72,22 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Name: "encgate_breaker_transitions_total",
 			Help: "Circuit breaker state changes per encoder.",
 		}, []string{"encoder", "from", "to"}),
+		ejected: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "encgate_breaker_ejected",
+			Help: "1 while an encoder is ejected by its breaker: from a trip that ejected it until the breaker closes again (open and half-open), else 0.",
+		}, []string{"encoder"}),
+		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_breaker_ejections_total",
+			Help: "Ejections per encoder: each trip that took the encoder out of service, a half-open breaker's reopening included.",
+		}, []string{"encoder"}),
+		skipped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_breaker_ejections_skipped_total",
+			Help: "Trips per encoder that breaker.max_ejected_percent kept in service: ejecting the encoder would have taken the fleet's ejected share past the bound (or ejected all of it).",
+		}, []string{"encoder"}),
+		ejection: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "encgate_breaker_ejection_seconds",
+			Help: "Length of the encoder's current (or last) ejection: breaker.base_ejection_time times its trips, at most max_ejection_time; 0 before the first.",
+		}, []string{"encoder"}),
 		healthy: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "encgate_upstream_healthy",
 			Help: "Active health per encoder: 1 up, 0 down.",
@@ -102,7 +122,7 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Buckets: prometheus.ExponentialBucketsRange(0.001, 30, 14),
 		}),
 	}
-	reg.MustRegister(m.state, m.transitions, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff)
+	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff)
 	for _, r := range sglang.RetryLabels {
 		m.budgetExhausted.WithLabelValues(r)
 	}
@@ -153,9 +173,14 @@ func (m *poolMetrics) exchanged(t target, rt *sglang.Route, v *Verdict) {
 
 // track sets e's state series; e is new to the pool.
 func (m *poolMetrics) track(e *Encoder) {
-	// Read the states before taking mu: Breaker.State may move an expired
-	// open breaker to half-open, whose onChange (breakerChanged) takes mu.
-	state := float64(e.Breaker.State())
+	// Read the states before taking mu: Breaker.Snapshot may move an
+	// expired open breaker to half-open, whose onChange (breakerChanged)
+	// takes mu.
+	bs := e.Breaker.Snapshot()
+	ejected := 0.0
+	if bs.Ejected {
+		ejected = 1
+	}
 	up := 0.0
 	if e.Health.Up() {
 		up = 1
@@ -165,7 +190,11 @@ func (m *poolMetrics) track(e *Encoder) {
 	if e.forgotten.Load() {
 		return
 	}
-	m.state.WithLabelValues(e.Name).Set(state)
+	m.state.WithLabelValues(e.Name).Set(float64(bs.State))
+	m.ejected.WithLabelValues(e.Name).Set(ejected)
+	m.ejection.WithLabelValues(e.Name).Set(bs.Ejection.Seconds())
+	m.ejections.WithLabelValues(e.Name)
+	m.skipped.WithLabelValues(e.Name)
 	m.healthy.WithLabelValues(e.Name).Set(up)
 }
 
@@ -193,6 +222,10 @@ func (m *poolMetrics) forget(e *Encoder) {
 	m.state.DeleteLabelValues(name)
 	m.healthy.DeleteLabelValues(name)
 	m.polls.DeleteLabelValues(name)
+	m.ejected.DeleteLabelValues(name)
+	m.ejections.DeleteLabelValues(name)
+	m.skipped.DeleteLabelValues(name)
+	m.ejection.DeleteLabelValues(name)
 	m.refused.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.outcomes.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.transitions.DeletePartialMatch(prometheus.Labels{"encoder": name})
@@ -205,8 +238,8 @@ func (m *poolMetrics) forget(e *Encoder) {
 	})
 }
 
-// breakerChanged records a transition of e's breaker. It runs under
-// gobreaker's lock (see NewBreaker), so it only takes mu for reading.
+// breakerChanged records a transition of e's breaker. It runs under the
+// breaker's lock (see BreakerHooks), so it only takes mu for reading.
 func (m *poolMetrics) breakerChanged(e *Encoder, from, to BreakerState) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
@@ -215,6 +248,26 @@ func (m *poolMetrics) breakerChanged(e *Encoder, from, to BreakerState) {
 	}
 	m.state.WithLabelValues(e.Name).Set(float64(to))
 	m.transitions.WithLabelValues(e.Name, from.String(), to.String()).Inc()
+	if to == BreakerClosed {
+		m.ejected.WithLabelValues(e.Name).Set(0)
+	}
+}
+
+// breakerTripped records a trip of e's breaker, under its lock as
+// breakerChanged.
+func (m *poolMetrics) breakerTripped(e *Encoder, trip BreakerTrip) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if e.forgotten.Load() {
+		return
+	}
+	if !trip.Ejected {
+		m.skipped.WithLabelValues(e.Name).Inc()
+		return
+	}
+	m.ejected.WithLabelValues(e.Name).Set(1)
+	m.ejections.WithLabelValues(e.Name).Inc()
+	m.ejection.WithLabelValues(e.Name).Set(trip.Ejection.Seconds())
 }
 
 func (m *poolMetrics) healthChanged(e *Encoder, up bool) {

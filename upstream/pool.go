@@ -415,6 +415,8 @@ type Pool struct {
 	reloadMu sync.Mutex                     // serialises Reload
 	limits   atomic.Pointer[inflightLimits] // Settings.MaxInflight and PollShare, read by every encoder
 
+	ejections *ejectionGate // breaker.max_ejected_percent over the fleet
+
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -447,6 +449,7 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		m:    newPoolMetrics(deps.Registry),
 		done: make(chan struct{}),
 	}
+	p.ejections = &ejectionGate{p: p, ejected: map[*Breaker]bool{}}
 	if p.rand == nil {
 		p.rand = rand.Float64
 	}
@@ -509,7 +512,11 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 	e.refusedPolls, e.pollsGauge = p.m.pollSeries(ec.Name)
 	e.outcomes = p.m.outcomeCounters(ec.Name)
 	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
-	e.Breaker = NewBreaker(ec.Name, set.Breaker, func(_ string, from, to BreakerState) { p.breakerChanged(e, from, to) })
+	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.clk, BreakerHooks{
+		OnChange: func(_ string, from, to BreakerState) { p.breakerChanged(e, from, to) },
+		OnTrip:   func(_ string, trip BreakerTrip) { p.breakerTripped(e, trip) },
+		Gate:     p.ejections,
+	})
 	// Probes get their own small pool: an encoder whose traffic connections
 	// are all busy must not fail its health check for want of one.
 	probeClient := newClient(ec.Name, u, ClientConfig{ConnectTimeout: set.Client.ConnectTimeout,
@@ -524,8 +531,10 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 		e.agent.setToken(agentToken)
 	}
 	probe := HTTPProber(probeClient, u.Scheme, u.Host, set.Health.Path, set.Health.Timeout.D())
-	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) },
-		func(err error) { p.probeResult(e, err) }, p.log)
+	// Probes mark the encoder down and up; they never drive its breaker:
+	// an encoder that answers /health and fails every /encode (CUDA out of
+	// memory) would otherwise be closed again by each passing probe.
+	e.Health = NewHealth(ec.Name, set.Health, probe, p.clk, func(up bool) { p.healthChanged(e, up) }, nil, p.log)
 	if ec.Joining {
 		e.Health.startDown()
 	}
@@ -652,6 +661,17 @@ func (p *Pool) breakerChanged(e *Encoder, from, to BreakerState) {
 		zap.String("from", from.String()), zap.String("to", to.String()))
 }
 
+func (p *Pool) breakerTripped(e *Encoder, trip BreakerTrip) {
+	p.m.breakerTripped(e, trip)
+	if trip.Ejected {
+		p.log.Warn("breaker tripped: encoder ejected", zap.String("encoder", e.Name), zap.String("reason", trip.Reason),
+			zap.Duration("ejection", trip.Ejection), zap.Int("trips", trip.Trips))
+		return
+	}
+	p.log.Warn("breaker tripped, but the encoder stays in service: ejecting it would pass breaker.max_ejected_percent of the fleet",
+		zap.String("encoder", e.Name), zap.String("reason", trip.Reason))
+}
+
 func (p *Pool) healthChanged(e *Encoder, up bool) {
 	p.m.healthChanged(e, up)
 	s := e.Health.Snapshot()
@@ -659,20 +679,6 @@ func (p *Pool) healthChanged(e *Encoder, up bool) {
 		p.log.Info("encoder is up (active health)", zap.String("encoder", e.Name))
 	} else {
 		p.log.Warn("encoder is down (active health)", zap.String("encoder", e.Name), zap.String("last_error", s.LastError))
-	}
-}
-
-// probeResult lets a half-open breaker use an active probe as its trial.
-func (p *Pool) probeResult(e *Encoder, err error) {
-	if e.Breaker.State() != BreakerHalfOpen {
-		return
-	}
-	if done, ok := e.Breaker.Allow(); ok {
-		if err != nil {
-			done(MarkFault)
-		} else {
-			done(MarkSuccess)
-		}
 	}
 }
 

@@ -122,7 +122,7 @@ const (
 	MarkSuccess
 	// MarkFault: an instance fault.
 	MarkFault
-	// MarkIgnored: counted neither way (gobreaker's exclusion).
+	// MarkIgnored: counted neither way; a half-open trial's slot is freed.
 	MarkIgnored
 )
 
