@@ -61,6 +61,7 @@ import (
 const (
 	dashboardFile = "grafana/encgate.json"
 	alertsFile    = "prometheus/alerts.yaml"
+	alertTests    = "prometheus/alerts_test.yaml"
 )
 
 // ---------------------------------------------------------------- the files
@@ -420,8 +421,9 @@ var wantAlerts = []struct {
 	for_        string       // "" for any
 	severity    string       // "" for any
 }{
-	{what: "an encoder's breaker open for 5 minutes", metrics: []string{"encgate_breaker_state"}, for_: "5m"},
-	{what: "all encoders unusable", metrics: []string{"encgate_upstream_healthy", "encgate_breaker_state", "encgate_fleet_encoders"}, severity: "critical"},
+	{what: "an encoder ejected by its breaker for 5 minutes", metrics: []string{"encgate_breaker_ejected"}, for_: "5m"},
+	{what: "a failing encoder kept in service by max_ejected_percent", metrics: []string{"encgate_breaker_ejections_skipped_total"}, severity: "critical"},
+	{what: "all encoders unusable", metrics: []string{"encgate_upstream_healthy", "encgate_breaker_ejected", "encgate_fleet_encoders"}, severity: "critical"},
 	{what: "retry budget exhausted", metrics: []string{"encgate_retry_budget_exhausted_total"}},
 	{what: "dedupe store errors", metrics: []string{"encgate_idempotency_store_errors_total"}},
 	{what: "fail-open forwards", metrics: []string{"encgate_idempotency_fail_open_total"}},
@@ -493,6 +495,62 @@ func findAlert(rules []alertRule, metrics []string, m *promMatcher, forWant, sev
 		}
 	}
 	return ""
+}
+
+// TestAlertRuleUnitTests runs the rules' unit tests (alerts_test.yaml,
+// Prometheus's own rule test format) through promtool, and checks that
+// they cover every alert: each has an evaluation where it fires and one
+// where it does not. It skips without promtool (.ci/run installs Debian's
+// prometheus package for it, and runs the same tests itself).
+func TestAlertRuleUnitTests(t *testing.T) {
+	var file struct {
+		RuleFiles []string `yaml:"rule_files"`
+		Tests     []struct {
+			Name  string `yaml:"name"`
+			Evals []struct {
+				EvalTime  string `yaml:"eval_time"`
+				Alertname string `yaml:"alertname"`
+				ExpAlerts []any  `yaml:"exp_alerts"`
+			} `yaml:"alert_rule_test"`
+		} `yaml:"tests"`
+	}
+	raw, err := os.ReadFile(alertTests)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.Unmarshal(raw, &file); err != nil {
+		t.Fatalf("%s does not parse: %v", alertTests, err)
+	}
+	if !slices.Equal(file.RuleFiles, []string{filepath.Base(alertsFile)}) {
+		t.Errorf("%s loads %q, want [%s]", alertTests, file.RuleFiles, filepath.Base(alertsFile))
+	}
+	fires, quiet := map[string]bool{}, map[string]bool{}
+	for _, tc := range file.Tests {
+		for _, e := range tc.Evals {
+			if len(e.ExpAlerts) > 0 {
+				fires[e.Alertname] = true
+			} else {
+				quiet[e.Alertname] = true
+			}
+		}
+	}
+	for _, r := range loadAlerts(t) {
+		if !fires[r.Alert] {
+			t.Errorf("%s has no case where %s fires", alertTests, r.Alert)
+		}
+		if !quiet[r.Alert] {
+			t.Errorf("%s has no case where %s does not fire", alertTests, r.Alert)
+		}
+	}
+
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Skip("promtool is not installed (apt-get install prometheus; .ci/run installs it)")
+	}
+	out, err := exec.Command(promtool, "test", "rules", alertTests).CombinedOutput()
+	if err != nil {
+		t.Errorf("promtool test rules %s: %v\n%s", alertTests, err, out)
+	}
 }
 
 // TestDashboardAndAlertsPassPromtool runs Prometheus's own checker over the
