@@ -1538,6 +1538,8 @@ func TestMonitoringNamesExistInARunningGatewayAndAgent(t *testing.T) {
 		min    float64
 	}{
 		{exA, "A", "encgate_breaker_state", map[string]string{"encoder": "enc-flaky"}, 2},
+		{exA, "A", "encgate_breaker_ejected", map[string]string{"encoder": "enc-flaky"}, 1},
+		{exA, "A", "encgate_breaker_ejections_total", map[string]string{"encoder": "enc-flaky"}, 1},
 		{exA, "A", "encgate_breaker_transitions_total", map[string]string{"encoder": "enc-flaky", "to": "open"}, 1},
 		{exA, "A", "encgate_upstream_requests_total", map[string]string{"encoder": "enc-flaky", "code": "500"}, 2},
 		{exA, "A", "encgate_requests_total", map[string]string{"route": monRouteEncode, "code": "500"}, 2},

@@ -74,7 +74,7 @@ type BreakerConfig struct {
 	Disabled bool `yaml:"disabled"`
 
 	// MovedInterval and MovedOpenTimeout are the keys of the breaker
-	// before issue 25 (sony/gobreaker's Interval and Timeout); a config
+	// in earlier versions (sony/gobreaker's Interval and Timeout); a config
 	// that has them is refused with what replaced them.
 	MovedInterval    configfile.Moved `yaml:"interval,omitempty"`
 	MovedOpenTimeout configfile.Moved `yaml:"open_timeout,omitempty"`
