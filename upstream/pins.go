@@ -214,11 +214,17 @@ type Failure struct {
 	// Placed: this call placed the pin (ranked strategy); a call that
 	// followed another's pin did not.
 	Placed bool
+	// Encoder and EncoderID name the encoder that answered, when Answered.
+	Encoder   string
+	EncoderID uint64
 }
 
 // Fail records that reqID's /encode ended in f. The encoder it was pinned
-// to, if any, is kept. Three pins are left as they are, because the
-// failure says nothing about the part they hold:
+// to, if any, is kept. Where reqID has no live pin, only the encoder's own
+// answer is recorded (a pin dropped while its /encode ran), on the encoder
+// that answered: a failure the gateway made itself never takes a slot of
+// the bound, so it never evicts a pin. Three pins are left as they are,
+// because the failure says nothing about the part they hold:
 //   - a pin whose /encode was answered 200: the encoder still holds the part;
 //   - an earlier failure, when f is a consequence of it: it would only hide
 //     the cause;
@@ -232,9 +238,12 @@ func (t *PinTable) Fail(reqID string, f Failure) {
 		}
 	}
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
-		if ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
+		if !ok && !f.Answered || ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
 			cur.State == PinPending && !f.Answered && !f.Placed) {
 			return cur, false
+		}
+		if !ok {
+			cur = Pin{Encoder: f.Encoder, EncoderID: f.EncoderID}
 		}
 		return Pin{Encoder: cur.Encoder, EncoderID: cur.EncoderID, State: PinFailed,
 			Answered: f.Answered, Status: f.Status, Message: f.Message}, true

@@ -38,9 +38,17 @@ func TestPinFailKeepsEncoder(t *testing.T) {
 	if !ok || !pin.Failed() || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
 		t.Fatalf("Get = %+v", pin)
 	}
+	// The gateway's own failure of an /encode that holds no pin (refused
+	// before an encoder was chosen) stores nothing.
 	p.Fail("never-pinned", Failure{Status: 503, Message: "no usable encoder"})
-	if pin, _ := p.Get("never-pinned"); !pin.Failed() || pin.Encoder != "" {
-		t.Fatalf("failure without pin = %+v", pin)
+	if pin, ok := p.Get("never-pinned"); ok {
+		t.Fatalf("a gateway failure without pin stored %+v", pin)
+	}
+	// The encoder's own answer for a req_id whose pin is gone is kept, on
+	// the encoder that answered.
+	p.Fail("dropped", Failure{Status: 500, Message: "boom", Answered: true, Encoder: "enc-c", EncoderID: 3})
+	if pin, _ := p.Get("dropped"); !pin.Failed() || pin.Encoder != "enc-c" || pin.EncoderID != 3 || pin.Status != 500 {
+		t.Fatalf("an answered failure without pin = %+v", pin)
 	}
 	if p.Len() != 2 {
 		t.Fatalf("Len = %d", p.Len())
