@@ -591,9 +591,14 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 		s.waiting[reqID] = w
 	}
 	w.n++
+	// Decided in the lock that registers this waiter: a read in flight
+	// when it registers serves it too, even if that read ends before this
+	// goroutine runs on (see readFor).
+	read := t.share != nil && !w.reading
+	w.reading = w.reading || read
 	s.mu.Unlock()
-	if t.share != nil {
-		t.readFor(s, reqID, w, false) // stores a pin it finds, which closes w.ch
+	if read {
+		t.readLoop(s, reqID, w) // stores a pin it finds, which closes w.ch
 	}
 
 	timer := t.clk.NewTimer(d)
@@ -681,6 +686,11 @@ func (t *PinTable) readFor(s *pinShard, reqID string, w *pinWaiters, placed bool
 	}
 	w.reading = true
 	s.mu.Unlock()
+	t.readLoop(s, reqID, w)
+}
+
+// readLoop is readFor's reading, once w.reading is set for it.
+func (t *PinTable) readLoop(s *pinShard, reqID string, w *pinWaiters) {
 	for {
 		t.fetch(reqID)
 		s.mu.Lock()
