@@ -1048,8 +1048,9 @@ func TestChaosMemoryBoundedMillionReqIDs(t *testing.T) {
 	g := &gw{Server: s, reg: reg}
 	enc := s.pool.Encoders()[0]
 	pins, store := s.pool.Pins, s.store.Memory
-	// Both tables hold up to bound/64+1 entries in each of their 64 shards.
-	maxPins, maxRecords := 64*(cfg.Affinity.MaxPins/64+1), 64*(cfg.Idempotency.Capacity/64+1)
+	// The pin table's bound is exact; the store holds up to capacity/64+1
+	// records in each of its 64 shards.
+	maxPins, maxRecords := cfg.Affinity.MaxPins, 64*(cfg.Idempotency.Capacity/64+1)
 	// 512 B per entry is about twice what a pin or a one-destination
 	// record costs; 8 MiB covers the rest of the heap this test touches.
 	heapBound := uint64(maxPins+maxRecords)*512 + 8<<20
@@ -1113,7 +1114,7 @@ func TestChaosMemoryBoundedOverHTTP(t *testing.T) {
 		cfg.Affinity.MaxPins = 128
 		cfg.Idempotency.Capacity = 128
 	}, nil)
-	maxPins, maxRecords := 64*(128/64+1), 64*(128/64+1)
+	maxPins, maxRecords := 128, 64*(128/64+1)
 	const parts, workers = 1000, 8
 	var wg sync.WaitGroup
 	for w := 0; w < workers; w++ {

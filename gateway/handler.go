@@ -54,7 +54,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	// forwarded.
 	req, ferr := rt.Parse(ctx.PostBody(), sglang.Limits{MaxFieldBytes: int(s.conf().Limits.MaxFieldBytes)})
 	if ferr != nil {
-		s.refuse(ctx, rt, ferr)
+		s.refuse(ctx, ferr)
 		return
 	}
 	// Dedupe: /send goes through the idempotency store, which exchanges.
@@ -69,17 +69,14 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	fasthttp.ReleaseResponse(resp)
 }
 
-// refuse answers a body the encoder must not see with 400. A refused
-// /encode is remembered like a failed one, so that its part's follow-ups
-// fail at once instead of waiting for an encode that will never come (a
-// pin already encoded, or placed by another /encode still going, stays).
-func (s *Server) refuse(ctx *fasthttp.RequestCtx, rt *sglang.Route, ferr *sglang.FieldError) {
+// refuse answers a body the encoder must not see with 400. Nothing of it
+// is remembered, not even for an /encode: nothing reached an encoder, and
+// a refusal a client can repeat at any rate must never take or evict a
+// pin (affinity.max_pins). The part's follow-ups find no pin for it.
+func (s *Server) refuse(ctx *fasthttp.RequestCtx, ferr *sglang.FieldError) {
 	var id *string
 	if ferr.ReqID != "" {
 		id = &ferr.ReqID
-		if rt.Kind == sglang.KindEncode {
-			s.pool.Pins.Fail(ferr.ReqID, upstream.Failure{Status: fasthttp.StatusBadRequest, Message: ferr.Message})
-		}
 	}
 	writeEnvelope(ctx, fasthttp.StatusBadRequest, ferr.Message, id)
 }

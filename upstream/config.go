@@ -88,8 +88,9 @@ type AffinityConfig struct {
 	// UnknownWait is how long a follow-up waits for its /encode's pin before
 	// it routes by rendezvous order (default 5s, as sglang's DP dispatcher).
 	UnknownWait configfile.Duration `yaml:"unknown_wait"`
-	// MaxPins bounds the pin table (default 1,000,000); past it the entries
-	// nearest to expiry in a shard make room, counted in a metric.
+	// MaxPins bounds the pin table exactly (default 1,000,000); at the
+	// bound an expired pin makes room, else the oldest failed, pending,
+	// then encoded one, counted by state in a metric.
 	MaxPins int `yaml:"max_pins"`
 	// EncodeBy is what places an /encode that is not pinned yet:
 	// EncodeByReqID (the default) ranks the encoders by rendezvous on the

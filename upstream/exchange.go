@@ -207,7 +207,11 @@ func (p *Pool) sleep(done <-chan struct{}, d time.Duration) bool {
 // recordEncode remembers how an /encode ended on its req_id's pin: a 200
 // marks the pin encoded; anything else marks it failed, so that its
 // follow-ups get the same status and message at once (Pins.Fail keeps a
-// pin already encoded).
+// pin already encoded). An /encode the gateway refused before anything of
+// it was sent, and that placed no pin (no usable encoder, every breaker or
+// in-flight limit refusing, the pinned encoder down), records nothing: no
+// encoder holds anything of the part, and a refusal a client can repeat at
+// any rate must not take the bound's slots from parts that are encoded.
 func (p *Pool) recordEncode(c *Call, res Result) {
 	v := res.Verdict
 	if v.Kind == KindAnswered && v.Status == fasthttp.StatusOK {
@@ -220,11 +224,16 @@ func (p *Pool) recordEncode(c *Call, res Result) {
 		return
 	}
 	msg, answered := v.Message, v.Kind == KindAnswered
-	if answered {
-		msg = AnswerMessage(c.Resp.Body())
+	if !answered && !res.Delivered && !res.placed {
+		return
 	}
-	p.Pins.Fail(c.ReqID, Failure{Status: v.Status, Message: msg, Answered: answered,
-		Consequence: v.Cause == CauseOtherRequest, Placed: res.placed})
+	f := Failure{Status: v.Status, Message: msg, Answered: answered,
+		Consequence: v.Cause == CauseOtherRequest, Placed: res.placed}
+	if answered {
+		f.Message = AnswerMessage(c.Resp.Body())
+		f.Encoder, f.EncoderID = res.enc.Name, res.enc.id
+	}
+	p.Pins.Fail(c.ReqID, f)
 }
 
 var messageKey = []string{"message"}

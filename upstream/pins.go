@@ -2,6 +2,8 @@ package upstream
 
 import (
 	"context"
+	"math"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,30 +53,80 @@ func (p Pin) Failed() bool { return p.State == PinFailed }
 
 const pinShards = 64
 
+// pinClass orders the pins for eviction at affinity.max_pins: a failed pin
+// goes before a pending one, a pending one before an encoded one. A failed
+// pin only answers follow-ups at once; a pending one is an /encode still
+// going, whose follow-ups would lose their encoder; an encoded one is a part
+// an encoder holds.
+type pinClass uint8
+
+const (
+	classFailed pinClass = iota
+	classPending
+	classEncoded
+	pinClasses
+)
+
+func classOf(s PinState) pinClass {
+	switch s {
+	case PinFailed:
+		return classFailed
+	case PinEncoded:
+		return classEncoded
+	}
+	return classPending
+}
+
 // PinTable maps req_id to Pin with a TTL and a size bound. It is safe for
 // concurrent use. Follow-ups that arrive before their /encode can Wait for
 // the pin.
+//
+// The bound is exact and global: the table never holds more than max pins
+// (Len counts every pin held, expired ones not yet swept included, and the
+// slots reserved by stores under way). A new req_id reserves its slot with
+// a compare-and-swap on the count; at the bound it first makes room (see
+// makeRoom): an expired pin, else the oldest failed pin, else the oldest
+// pending, else the oldest encoded. Each of the 64 shards keeps its pins on
+// one list per class in the order of their last write, which is the order
+// they expire in, since every write gives a pin the same TTL.
 type PinTable struct {
-	clk      clock.Clock
-	ttl      time.Duration
-	perShard int
-	shards   [pinShards]pinShard
-	share    PinShare    // nil: this process alone
-	log      *zap.Logger // the share's failures
+	clk    clock.Clock
+	ttl    time.Duration
+	max    int64
+	shards [pinShards]pinShard
+	share  PinShare    // nil: this process alone
+	log    *zap.Logger // the share's failures
 
-	count     atomic.Int64
-	evictions atomic.Int64
+	count     atomic.Int64 // pins held plus slots reserved; never above max
+	evictions [pinClasses]atomic.Int64
 }
 
 type pinShard struct {
-	mu      sync.Mutex // protects m and waiting
-	m       map[string]pinEntry
+	mu sync.Mutex // protects everything below
+	m  map[string]int32
+	// e holds the entries m points into; free slots are chained through
+	// next from free (-1: none).
+	e       []pinEntry
+	free    int32
+	lists   [pinClasses]pinList
 	waiting map[string]*pinWaiters
+	// heads mirrors, for makeRoom's scan without the lock, each list's
+	// head's expiry (noHead when the list is empty). Written under mu.
+	heads [pinClasses]atomic.Int64
 }
 
+const noHead = math.MaxInt64
+
+// pinList is one class's entries of a shard, oldest write first, linked
+// through pinEntry.prev and next (slot indices; -1 ends).
+type pinList struct{ head, tail int32 }
+
 type pinEntry struct {
-	pin     Pin
-	expires int64 // unix nanoseconds
+	key        string
+	pin        Pin
+	expires    int64 // unix nanoseconds
+	prev, next int32
+	class      pinClass
 }
 
 type pinWaiters struct {
@@ -86,12 +138,19 @@ type pinWaiters struct {
 	reading, again bool
 }
 
-// NewPinTable returns a table holding up to max pins for ttl each.
-func NewPinTable(ttl time.Duration, max int, clk clock.Clock) *PinTable {
-	t := &PinTable{clk: clk, ttl: ttl, perShard: max/pinShards + 1}
+// NewPinTable returns a table holding up to bound pins (at least one) for
+// ttl each.
+func NewPinTable(ttl time.Duration, bound int, clk clock.Clock) *PinTable {
+	t := &PinTable{clk: clk, ttl: ttl, max: int64(max(bound, 1))}
 	for i := range t.shards {
-		t.shards[i].m = make(map[string]pinEntry)
-		t.shards[i].waiting = make(map[string]*pinWaiters)
+		s := &t.shards[i]
+		s.m = make(map[string]int32)
+		s.waiting = make(map[string]*pinWaiters)
+		s.free = -1
+		for c := range s.lists {
+			s.lists[c] = pinList{-1, -1}
+			s.heads[c].Store(noHead)
+		}
 	}
 	return t
 }
@@ -150,7 +209,7 @@ func (t *PinTable) shareFailed(op, reqID string, err error) {
 func (t *PinTable) placeLocal(reqID, encoder string, id uint64) (pin Pin, placed bool) {
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if ok && !cur.Failed() {
-			pin = cur
+			pin, placed = cur, false
 			return cur, false
 		}
 		pin, placed = Pin{Encoder: encoder, EncoderID: id}, true
@@ -178,6 +237,7 @@ func (t *PinTable) Move(reqID string, from uint64, encoder string, id uint64) bo
 	moved := false
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
 		if !ok || cur.State != PinPending || cur.EncoderID != from {
+			moved = false
 			return cur, false
 		}
 		moved = true
@@ -214,11 +274,17 @@ type Failure struct {
 	// Placed: this call placed the pin (ranked strategy); a call that
 	// followed another's pin did not.
 	Placed bool
+	// Encoder and EncoderID name the encoder that answered, when Answered.
+	Encoder   string
+	EncoderID uint64
 }
 
 // Fail records that reqID's /encode ended in f. The encoder it was pinned
-// to, if any, is kept. Three pins are left as they are, because the
-// failure says nothing about the part they hold:
+// to, if any, is kept. Where reqID has no live pin, only the encoder's own
+// answer is recorded (a pin dropped while its /encode ran), on the encoder
+// that answered: a failure the gateway made itself never takes a slot of
+// the bound, so it never evicts a pin. Three pins are left as they are,
+// because the failure says nothing about the part they hold:
 //   - a pin whose /encode was answered 200: the encoder still holds the part;
 //   - an earlier failure, when f is a consequence of it: it would only hide
 //     the cause;
@@ -232,9 +298,12 @@ func (t *PinTable) Fail(reqID string, f Failure) {
 		}
 	}
 	t.update(reqID, func(cur Pin, ok bool) (Pin, bool) {
-		if ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
+		if !ok && !f.Answered || ok && (cur.State == PinEncoded || cur.Failed() && f.Consequence ||
 			cur.State == PinPending && !f.Answered && !f.Placed) {
 			return cur, false
+		}
+		if !ok {
+			cur = Pin{Encoder: f.Encoder, EncoderID: f.EncoderID}
 		}
 		return Pin{Encoder: cur.Encoder, EncoderID: cur.EncoderID, State: PinFailed,
 			Answered: f.Answered, Status: f.Status, Message: f.Message}, true
@@ -243,57 +312,194 @@ func (t *PinTable) Fail(reqID string, f Failure) {
 
 // update applies f to reqID's live pin (ok false when there is none) under
 // the shard's lock, storing what it returns when store is true.
+//
+// A store for a req_id the shard does not hold needs a slot of the bound.
+// When none is free, update lets go of the shard's lock, makes room (which
+// locks other shards, one at a time) and runs f again on what the shard
+// then holds: f must set all it reports on every run.
 func (t *PinTable) update(reqID string, f func(cur Pin, ok bool) (next Pin, store bool)) {
-	now := t.clk.Now().UnixNano()
 	s := t.shard(reqID)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, exists := s.m[reqID]
-	live := exists && e.expires > now
-	if !live {
-		e.pin = Pin{}
-	}
-	if next, store := f(e.pin, live); store {
-		t.storeLocked(s, reqID, next, exists, now)
+	for {
+		s.mu.Lock()
+		// Read under the lock: a shard's lists stay in the order of the
+		// writes' times.
+		now := t.clk.Now().UnixNano()
+		i, exists := s.m[reqID]
+		var cur Pin
+		live := exists && s.e[i].expires > now
+		if live {
+			cur = s.e[i].pin
+		}
+		next, store := f(cur, live)
+		switch {
+		case !store:
+		case exists:
+			t.rewriteLocked(s, i, next, now)
+		case t.reserve():
+			t.insertLocked(s, reqID, next, now)
+		default:
+			s.mu.Unlock()
+			// Another store may take the slot makeRoom frees first; the
+			// next run then makes room again.
+			t.makeRoom()
+			continue
+		}
+		s.mu.Unlock()
+		return
 	}
 }
 
-// storeLocked stores p for reqID and wakes its waiters; s.mu is held.
-func (t *PinTable) storeLocked(s *pinShard, reqID string, p Pin, exists bool, now int64) {
-	if !exists {
-		t.count.Add(1)
-		if len(s.m) >= t.perShard {
-			t.makeRoom(s, now)
+// reserve takes one slot of the bound, if one is free.
+func (t *PinTable) reserve() bool {
+	for {
+		n := t.count.Load()
+		if n >= t.max {
+			return false
+		}
+		if t.count.CompareAndSwap(n, n+1) {
+			return true
 		}
 	}
-	s.m[reqID] = pinEntry{pin: p, expires: now + int64(t.ttl)}
+}
+
+// insertLocked stores p for reqID in a slot already reserved and wakes its
+// waiters; s.mu is held.
+func (t *PinTable) insertLocked(s *pinShard, reqID string, p Pin, now int64) {
+	i := s.free
+	if i >= 0 {
+		s.free = s.e[i].next
+	} else {
+		i = int32(len(s.e))
+		s.e = append(s.e, pinEntry{})
+	}
+	s.e[i] = pinEntry{key: reqID, pin: p, expires: now + int64(t.ttl)}
+	s.m[reqID] = i
+	s.link(i, classOf(p.State))
+	s.wake(reqID)
+}
+
+// rewriteLocked stores p over entry i, which becomes its class's newest,
+// and wakes its waiters; s.mu is held.
+func (t *PinTable) rewriteLocked(s *pinShard, i int32, p Pin, now int64) {
+	s.unlink(i)
+	e := &s.e[i]
+	e.pin, e.expires = p, now+int64(t.ttl)
+	s.link(i, classOf(p.State))
+	s.wake(e.key)
+}
+
+// removeLocked drops entry i and gives back its slot of the bound; s.mu is
+// held.
+func (t *PinTable) removeLocked(s *pinShard, i int32) {
+	s.unlink(i)
+	delete(s.m, s.e[i].key)
+	s.e[i] = pinEntry{next: s.free} // lets go of the strings
+	s.free = i
+	t.count.Add(-1)
+}
+
+func (s *pinShard) wake(reqID string) {
 	if w := s.waiting[reqID]; w != nil {
 		close(w.ch)
 		delete(s.waiting, reqID)
 	}
 }
 
-// makeRoom drops one entry of a full shard: an expired one, or failing that
-// the entry nearest to expiry, among a few (map order is random). It never
-// walks the whole shard: a table full of live pins would otherwise scan
-// max_pins/64 entries on every new req_id; Sweep removes the rest of the
-// expired ones. s.mu is held.
-func (t *PinTable) makeRoom(s *pinShard, now int64) {
-	var victim string
-	var soonest int64
-	n := 0
-	for k, e := range s.m {
-		if n == 0 || e.expires < soonest {
-			victim, soonest = k, e.expires
-		}
-		if n++; n == 8 || soonest <= now {
-			break
-		}
+// link appends entry i to class c's list.
+func (s *pinShard) link(i int32, c pinClass) {
+	l := &s.lists[c]
+	e := &s.e[i]
+	e.class, e.prev, e.next = c, l.tail, -1
+	if l.tail >= 0 {
+		s.e[l.tail].next = i
+	} else {
+		l.head = i
+		s.heads[c].Store(e.expires)
 	}
-	delete(s.m, victim)
-	t.count.Add(-1)
-	if soonest > now {
-		t.evictions.Add(1)
+	l.tail = i
+}
+
+// unlink takes entry i off its class's list.
+func (s *pinShard) unlink(i int32) {
+	e := &s.e[i]
+	l := &s.lists[e.class]
+	if e.prev >= 0 {
+		s.e[e.prev].next = e.next
+	} else {
+		l.head = e.next
+		h := int64(noHead)
+		if e.next >= 0 {
+			h = s.e[e.next].expires
+		}
+		s.heads[e.class].Store(h)
+	}
+	if e.next >= 0 {
+		s.e[e.next].prev = e.prev
+	} else {
+		l.tail = e.prev
+	}
+	e.prev, e.next = -1, -1
+}
+
+// victim is a list head makeRoom may drop.
+type victim struct {
+	shard   int
+	expires int64
+	class   pinClass
+	expired bool
+}
+
+// before reports whether v goes before w: an expired pin first (the one
+// that expired first), then by class, then the oldest.
+func (v *victim) before(w *victim) bool {
+	if w.shard < 0 || v.expired != w.expired {
+		return w.shard < 0 || v.expired
+	}
+	if !v.expired && v.class != w.class {
+		return v.class < w.class
+	}
+	return v.expires < w.expires
+}
+
+// makeRoom drops one pin while the table is at its bound: the first of
+// every shard's list heads by victim.before, so an expired pin (not
+// counted as an eviction), else the oldest failed pin, else the oldest
+// pending one, else the oldest encoded one. It reads the heads' expiries
+// without a lock (pinShard.heads), then locks the chosen shard alone and
+// drops that list's head if it is still the one it read, else looks
+// again: it never holds two shards' locks.
+func (t *PinTable) makeRoom() {
+	for t.count.Load() >= t.max {
+		now := t.clk.Now().UnixNano()
+		best := victim{shard: -1}
+		for si := range t.shards {
+			s := &t.shards[si]
+			for c := range s.heads {
+				if exp := s.heads[c].Load(); exp != noHead {
+					v := victim{shard: si, expires: exp, class: pinClass(c), expired: exp <= now}
+					if v.before(&best) {
+						best = v
+					}
+				}
+			}
+		}
+		if best.shard < 0 {
+			// Every slot is reserved by a store under way: it is about to
+			// insert, and its pin can then make room.
+			runtime.Gosched()
+			continue
+		}
+		s := &t.shards[best.shard]
+		s.mu.Lock()
+		if h := s.lists[best.class].head; h >= 0 && s.e[h].expires == best.expires {
+			t.removeLocked(s, h)
+			if !best.expired {
+				t.evictions[best.class].Add(1)
+			}
+			s.mu.Unlock()
+			return
+		}
+		s.mu.Unlock()
 	}
 }
 
@@ -350,11 +556,11 @@ func (t *PinTable) Local(reqID string) (Pin, bool) {
 	s := t.shard(reqID)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e, ok := s.m[reqID]
-	if !ok || e.expires <= now {
+	i, ok := s.m[reqID]
+	if !ok || s.e[i].expires <= now {
 		return Pin{}, false
 	}
-	return e.pin, true
+	return s.e[i].pin, true
 }
 
 // Wait returns reqID's pin, waiting up to d for one to be set. It gives up
@@ -374,9 +580,10 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 	}
 	s := t.shard(reqID)
 	s.mu.Lock()
-	if e, ok := s.m[reqID]; ok && e.expires > t.clk.Now().UnixNano() {
+	if i, ok := s.m[reqID]; ok && s.e[i].expires > t.clk.Now().UnixNano() {
+		p := s.e[i].pin
 		s.mu.Unlock()
-		return e.pin, true
+		return p, true
 	}
 	w := s.waiting[reqID]
 	if w == nil {
@@ -384,9 +591,14 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 		s.waiting[reqID] = w
 	}
 	w.n++
+	// Decided in the lock that registers this waiter: a read in flight
+	// when it registers serves it too, even if that read ends before this
+	// goroutine runs on (see readFor).
+	read := t.share != nil && !w.reading
+	w.reading = w.reading || read
 	s.mu.Unlock()
-	if t.share != nil {
-		t.readFor(s, reqID, w, false) // stores a pin it finds, which closes w.ch
+	if read {
+		t.readLoop(s, reqID, w) // stores a pin it finds, which closes w.ch
 	}
 
 	timer := t.clk.NewTimer(d)
@@ -474,6 +686,11 @@ func (t *PinTable) readFor(s *pinShard, reqID string, w *pinWaiters, placed bool
 	}
 	w.reading = true
 	s.mu.Unlock()
+	t.readLoop(s, reqID, w)
+}
+
+// readLoop is readFor's reading, once w.reading is set for it.
+func (t *PinTable) readLoop(s *pinShard, reqID string, w *pinWaiters) {
 	for {
 		t.fetch(reqID)
 		s.mu.Lock()
@@ -492,18 +709,28 @@ func (t *PinTable) readFor(s *pinShard, reqID string, w *pinWaiters, placed bool
 func (t *PinTable) Delete(reqID string) {
 	s := t.shard(reqID)
 	s.mu.Lock()
-	if _, ok := s.m[reqID]; ok {
-		delete(s.m, reqID)
-		t.count.Add(-1)
+	if i, ok := s.m[reqID]; ok {
+		t.removeLocked(s, i)
 	}
 	s.mu.Unlock()
 }
 
-// Len returns the number of pins held, expired ones not yet swept included.
+// Len returns the number of pins held, expired ones not yet swept included,
+// and of slots reserved by stores under way: never more than the bound.
 func (t *PinTable) Len() int { return int(t.count.Load()) }
 
 // Evictions returns how many live pins were dropped to respect the bound.
-func (t *PinTable) Evictions() int64 { return t.evictions.Load() }
+func (t *PinTable) Evictions() int64 {
+	var n int64
+	for c := range t.evictions {
+		n += t.evictions[c].Load()
+	}
+	return n
+}
+
+// EvictionsOf returns how many live pins in state st were dropped to
+// respect the bound.
+func (t *PinTable) EvictionsOf(st PinState) int64 { return t.evictions[classOf(st)].Load() }
 
 // Waiting returns how many req_ids have follow-ups waiting for a pin.
 func (t *PinTable) Waiting() int {
@@ -530,15 +757,16 @@ func (t *PinTable) Sweep() int {
 	return n
 }
 
+// sweepShard drops the shard's expired entries: the heads of its lists,
+// which are in expiry order.
 func (t *PinTable) sweepShard(s *pinShard, now int64) int {
 	n := 0
-	for k, e := range s.m {
-		if e.expires <= now {
-			delete(s.m, k)
+	for c := range s.lists {
+		for h := s.lists[c].head; h >= 0 && s.e[h].expires <= now; h = s.lists[c].head {
+			t.removeLocked(s, h)
 			n++
 		}
 	}
-	t.count.Add(int64(-n))
 	return n
 }
 
@@ -550,8 +778,8 @@ func (t *PinTable) CountByEncoder() map[string]int {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for _, e := range s.m {
-			if e.expires > now && e.pin.Encoder != "" {
+		for _, i := range s.m {
+			if e := &s.e[i]; e.expires > now && e.pin.Encoder != "" {
 				out[e.pin.Encoder]++
 			}
 		}
@@ -572,8 +800,8 @@ func (t *PinTable) Holding(ids map[uint64]int) {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for _, e := range s.m {
-			if e.expires > now && !e.pin.Failed() && e.pin.Encoder != "" {
+		for _, i := range s.m {
+			if e := &s.e[i]; e.expires > now && !e.pin.Failed() && e.pin.Encoder != "" {
 				if n, ok := ids[e.pin.EncoderID]; ok {
 					ids[e.pin.EncoderID] = n + 1
 				}

@@ -133,10 +133,11 @@ elseif op == 'encoded' then
   if not live or c.id ~= ARGV[4] or c.e == '' then return {0, raw} end
   return put('e', c.e, c.id, '0', '0', '')
 elseif op == 'fail' then
-  if live and (c.s == 'e' or (c.s == 'f' and ARGV[9] == '1') or (c.s == 'p' and ARGV[6] == '0' and ARGV[10] == '0')) then
+  if (not live and ARGV[6] == '0') or
+    (live and (c.s == 'e' or (c.s == 'f' and ARGV[9] == '1') or (c.s == 'p' and ARGV[6] == '0' and ARGV[10] == '0'))) then
     return {0, raw}
   end
-  local res = put('f', c.e or '', c.id or '0', ARGV[6], ARGV[7], ARGV[8])
+  local res = put('f', c.e or ARGV[3], c.id or ARGV[4], ARGV[6], ARGV[7], ARGV[8])
   if not live then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
   return res
 end
@@ -187,7 +188,7 @@ func (r *RedisPins) Encoded(reqID string, id uint64) error {
 
 // Fail implements PinShare.
 func (r *RedisPins) Fail(reqID string, f Failure) error {
-	_, _, err := r.run("fail", reqID, Pin{}, 0, f)
+	_, _, err := r.run("fail", reqID, Pin{Encoder: f.Encoder, EncoderID: f.EncoderID}, 0, f)
 	return err
 }
 

@@ -87,6 +87,17 @@ func testSharedPinsFollowOneRule(t *testing.T, tables []*PinTable) {
 	if p, placed := a.Place("f", "enc-1", 1); !placed || p.Failed() {
 		t.Fatalf("a new /encode of a failed part: %+v %v", p, placed)
 	}
+	// The gateway's own failure of an /encode that holds no pin is stored
+	// nowhere: not in b's table, not in Redis.
+	b.Fail("g", Failure{Status: 503, Message: "encgate: no usable encoder"})
+	if p, ok := fresh.Get("g"); ok || b.Len() != 2 {
+		t.Fatalf("a gateway failure without pin: a fresh replica reads %+v %v; b holds %d pins, want 2", p, ok, b.Len())
+	}
+	// The encoder's own answer is shared, on the encoder that answered.
+	b.Fail("h", Failure{Status: 500, Message: "boom", Answered: true, Encoder: "enc-2", EncoderID: 2})
+	if p, ok := fresh.Get("h"); !ok || !p.Failed() || p.Encoder != "enc-2" || p.EncoderID != 2 {
+		t.Fatalf("an answered failure without pin reads %+v %v", p, ok)
+	}
 }
 
 // A follow-up waiting on one replica is woken by the placement on the

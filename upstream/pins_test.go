@@ -38,9 +38,17 @@ func TestPinFailKeepsEncoder(t *testing.T) {
 	if !ok || !pin.Failed() || pin.Status != 400 || pin.Message != "bad media" || pin.Encoder != "enc-b" {
 		t.Fatalf("Get = %+v", pin)
 	}
+	// The gateway's own failure of an /encode that holds no pin (refused
+	// before an encoder was chosen) stores nothing.
 	p.Fail("never-pinned", Failure{Status: 503, Message: "no usable encoder"})
-	if pin, _ := p.Get("never-pinned"); !pin.Failed() || pin.Encoder != "" {
-		t.Fatalf("failure without pin = %+v", pin)
+	if pin, ok := p.Get("never-pinned"); ok {
+		t.Fatalf("a gateway failure without pin stored %+v", pin)
+	}
+	// The encoder's own answer for a req_id whose pin is gone is kept, on
+	// the encoder that answered.
+	p.Fail("dropped", Failure{Status: 500, Message: "boom", Answered: true, Encoder: "enc-c", EncoderID: 3})
+	if pin, _ := p.Get("dropped"); !pin.Failed() || pin.Encoder != "enc-c" || pin.EncoderID != 3 || pin.Status != 500 {
+		t.Fatalf("an answered failure without pin = %+v", pin)
 	}
 	if p.Len() != 2 {
 		t.Fatalf("Len = %d", p.Len())
@@ -107,18 +115,18 @@ func TestPinWaitAbort(t *testing.T) {
 
 func TestPinBound(t *testing.T) {
 	clk := clock.NewFake(t0)
-	p := NewPinTable(time.Minute, 640, clk) // 11 per shard
+	p := NewPinTable(time.Minute, 640, clk)
 	for i := 0; i < 5000; i++ {
 		p.Set(fmt.Sprintf("r%d", i), "e", 1)
 		clk.Advance(time.Millisecond)
 	}
-	if p.Len() > 64*11 {
+	if p.Len() != 640 {
 		t.Fatalf("Len %d exceeds the bound", p.Len())
 	}
 	if p.Evictions() == 0 {
 		t.Fatal("no evictions counted")
 	}
-	// The newest pin survives; eviction takes the soonest to expire.
+	// The newest pin survives; eviction takes the oldest.
 	if _, ok := p.Get("r4999"); !ok {
 		t.Fatal("newest pin evicted")
 	}
