@@ -433,6 +433,10 @@ func (r *Receiver) serveRequest(c net.Conn, h Header) bool {
 		return err == nil
 	}
 	if _, err := io.ReadFull(c, dst); err != nil { // straight into the buffer
+		// The bytes that came are in the buffer as well: publish them as a
+		// whole write's are, so a later write into the same range (the
+		// sender trying again on another connection) follows them.
+		r.memEpoch.Add(1)
 		r.log.Debug("write body cut short", zap.Stringer("peer", c.RemoteAddr()), zap.Error(err))
 		return false
 	}
