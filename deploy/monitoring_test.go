@@ -425,6 +425,8 @@ var wantAlerts = []struct {
 	{what: "a failing encoder kept in service by max_ejected_percent", metrics: []string{"encgate_breaker_ejections_skipped_total"}, severity: "critical"},
 	{what: "all encoders unusable", metrics: []string{"encgate_upstream_healthy", "encgate_breaker_ejected", "encgate_fleet_encoders"}, severity: "critical"},
 	{what: "retry budget exhausted", metrics: []string{"encgate_retry_budget_exhausted_total"}},
+	{what: "long polls refused at limits.poll_share", metrics: []string{"encgate_upstream_refused_total"}, promMatcher: &promMatcher{"reason", "=", "poll_share"}},
+	{what: "live pins evicted at affinity.max_pins", metrics: []string{"encgate_pin_evictions_total"}, promMatcher: &promMatcher{"state", "=~", "pending|encoded"}},
 	{what: "dedupe store errors", metrics: []string{"encgate_idempotency_store_errors_total"}},
 	{what: "fail-open forwards", metrics: []string{"encgate_idempotency_fail_open_total"}},
 	{what: "agent ack failures", metrics: []string{"encgate_agent_acks_total"}, promMatcher: &promMatcher{"result", "=", "failed"}},
