@@ -38,6 +38,7 @@ import (
 	"go.yaml.in/yaml/v3"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -96,6 +97,7 @@ type kubeKit struct {
 	configMaps map[string]*corev1.ConfigMap
 	secrets    map[string]*corev1.Secret
 	pdbs       []*policyv1.PodDisruptionBudget
+	netpols    []*networkingv1.NetworkPolicy
 }
 
 // kubeKustomization is the part of kustomization.yaml the kit uses; any
@@ -122,6 +124,7 @@ var kubeKinds = map[string]struct {
 	"Secret":              {"v1", func() any { return new(corev1.Secret) }},
 	"Namespace":           {"v1", func() any { return new(corev1.Namespace) }},
 	"PodDisruptionBudget": {"policy/v1", func() any { return new(policyv1.PodDisruptionBudget) }},
+	"NetworkPolicy":       {"networking.k8s.io/v1", func() any { return new(networkingv1.NetworkPolicy) }},
 }
 
 // kubeStrictJSON decodes js into dst refusing unknown fields and trailing
@@ -247,6 +250,8 @@ func kubeLoad(t *testing.T) *kubeKit {
 				kit.secrets[d.name] = o
 			case *policyv1.PodDisruptionBudget:
 				kit.pdbs = append(kit.pdbs, o)
+			case *networkingv1.NetworkPolicy:
+				kit.netpols = append(kit.netpols, o)
 			}
 		}
 	}
@@ -2456,4 +2461,184 @@ func TestKubeRedisSetSurvivesItsMasterFailing(t *testing.T) {
 	r.eventually(fmt.Sprintf("pod %d ready again", gone), func() error { return r.ready(gone) })
 	r.eventually("the set settled again, all three pods in it", func() error { return r.settled(r.ips[masterNow()], all, rc.MasterName) })
 	readAll("the gateway's client reads everything it wrote")
+}
+
+// ---------------------------------------------------------------- network policies
+
+// kubePeer is a pod that might knock on a door: its labels, and whether it
+// runs in the kit's namespace.
+type kubePeer struct {
+	what   string
+	labels map[string]string
+	sameNS bool
+}
+
+// kubeAdmits reports whether np lets peer in on the container port named
+// port, as the NetworkPolicy API defines it: some ingress rule lists the
+// port (or lists none) and has a from entry that selects the peer (or has
+// none). A peer in another namespace is selected only by an entry with a
+// namespaceSelector; the kit's namespaces carry no labels of interest, so
+// any namespaceSelector stands for "every namespace" here only when it is
+// empty.
+func kubeAdmits(t *testing.T, np *networkingv1.NetworkPolicy, port string, peer kubePeer) bool {
+	t.Helper()
+	for _, r := range np.Spec.Ingress {
+		listed := len(r.Ports) == 0
+		for _, p := range r.Ports {
+			if p.Port == nil || (p.Port.Type == intstr.String && p.Port.StrVal == port) {
+				listed = true
+			}
+		}
+		if !listed {
+			continue
+		}
+		if len(r.From) == 0 {
+			return true
+		}
+		for _, f := range r.From {
+			if f.IPBlock != nil {
+				continue
+			}
+			nsOK := peer.sameNS
+			if f.NamespaceSelector != nil {
+				nsOK = len(f.NamespaceSelector.MatchLabels) == 0 && len(f.NamespaceSelector.MatchExpressions) == 0
+			}
+			podOK := f.PodSelector == nil || kubeSelects(t, f.PodSelector, peer.labels)
+			if nsOK && podOK {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestKubeNetworkPolicies checks the kit's NetworkPolicies against its
+// workloads and Services: every workload is selected by exactly one policy,
+// every port a policy names is a container port of the pods it selects,
+// every container port is opened to someone (a Service's target included),
+// no rule is open to every peer, and each door admits exactly the pods that
+// need it: the bootstrap door the encoders, the agent's TCP door the
+// gateways, the admin doors the scrapers, Redis the gateways and itself.
+func TestKubeNetworkPolicies(t *testing.T) {
+	kit := kubeLoad(t)
+	if len(kit.netpols) == 0 {
+		t.Fatal("the kit has no NetworkPolicy: every door is open to every pod of the cluster")
+	}
+	policyOf := map[string]*networkingv1.NetworkPolicy{} // workload -> its policy
+	for _, np := range kit.netpols {
+		if !slices.Equal(np.Spec.PolicyTypes, []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}) {
+			t.Errorf("NetworkPolicy %s: policyTypes %v, want [Ingress]", np.Name, np.Spec.PolicyTypes)
+		}
+		var selected []kubeWorkload
+		for _, w := range kit.workloads {
+			if len(np.Spec.PodSelector.MatchLabels) > 0 && kubeSelects(t, &np.Spec.PodSelector, w.pod.Labels) {
+				selected = append(selected, w)
+			}
+		}
+		if len(selected) != 1 {
+			t.Errorf("NetworkPolicy %s selects %d workloads, want 1", np.Name, len(selected))
+			continue
+		}
+		w := selected[0]
+		if prev, dup := policyOf[w.String()]; dup {
+			t.Errorf("%s is selected by NetworkPolicies %s and %s", w, prev.Name, np.Name)
+		}
+		policyOf[w.String()] = np
+		ports := map[string]bool{}
+		for _, c := range w.pod.Spec.Containers {
+			for _, cp := range c.Ports {
+				ports[cp.Name] = true
+			}
+		}
+		opened := map[string]bool{}
+		for i, r := range np.Spec.Ingress {
+			if len(r.From) == 0 {
+				t.Errorf("NetworkPolicy %s ingress[%d] has no from: it admits every pod and address", np.Name, i)
+			}
+			for j, f := range r.From {
+				if f.IPBlock != nil {
+					t.Errorf("NetworkPolicy %s ingress[%d].from[%d] admits an ipBlock: pods are named by labels", np.Name, i, j)
+				}
+				if f.PodSelector == nil || len(f.PodSelector.MatchLabels) == 0 {
+					t.Errorf("NetworkPolicy %s ingress[%d].from[%d] selects every pod of its namespaces", np.Name, i, j)
+				}
+			}
+			if len(r.Ports) == 0 {
+				t.Errorf("NetworkPolicy %s ingress[%d] lists no port: it opens every port", np.Name, i)
+			}
+			for _, p := range r.Ports {
+				switch {
+				case p.Port == nil || p.Port.Type != intstr.String:
+					t.Errorf("NetworkPolicy %s ingress[%d]: port %v is not a container port's name", np.Name, i, p.Port)
+				case !ports[p.Port.StrVal]:
+					t.Errorf("NetworkPolicy %s ingress[%d]: port %s is not a container port of %s", np.Name, i, p.Port.StrVal, w)
+				default:
+					opened[p.Port.StrVal] = true
+				}
+				if p.Protocol == nil || *p.Protocol != corev1.ProtocolTCP {
+					t.Errorf("NetworkPolicy %s ingress[%d] port %v: protocol must be TCP", np.Name, i, p.Port)
+				}
+			}
+		}
+		for name := range ports {
+			if !opened[name] {
+				t.Errorf("NetworkPolicy %s closes %s's port %s to everyone", np.Name, w, name)
+			}
+		}
+		for _, s := range kit.services {
+			if !kubeSubset(s.Spec.Selector, w.pod.Labels) {
+				continue
+			}
+			for _, sp := range s.Spec.Ports {
+				if !opened[sp.TargetPort.StrVal] {
+					t.Errorf("Service %s port %s targets %s, which NetworkPolicy %s opens to no one", s.Name, sp.Name, sp.TargetPort.String(), np.Name)
+				}
+			}
+		}
+	}
+	for _, w := range kit.workloads {
+		if policyOf[w.String()] == nil {
+			t.Errorf("%s is selected by no NetworkPolicy: all its ports are open to every pod", w)
+		}
+	}
+
+	gw := kit.workload(t, "Deployment", "encgate-gateway")
+	agent := kit.workload(t, "DaemonSet", "encgate-agent")
+	redis := kit.workload(t, "StatefulSet", "encgate-redis")
+	peers := map[string]kubePeer{
+		"gateway":           {"a gateway pod", gw.pod.Labels, true},
+		"gateway elsewhere": {"a pod with the gateway's labels in another namespace", gw.pod.Labels, false},
+		"agent":             {"an agent pod", agent.pod.Labels, true},
+		"redis":             {"a Redis pod", redis.pod.Labels, true},
+		"client":            {"a language server", map[string]string{"encgate.io/client": "true"}, false},
+		"encoder":           {"an encoder", map[string]string{"encgate.io/encoder": "true"}, false},
+		"scraper":           {"Prometheus", map[string]string{"encgate.io/scraper": "true"}, false},
+		"stranger":          {"an unlabelled pod in the kit's namespace", map[string]string{"app": "other"}, true},
+		"stranger away":     {"an unlabelled pod elsewhere", map[string]string{"app": "other"}, false},
+	}
+	doors := []struct {
+		w     kubeWorkload
+		port  string
+		admit []string
+	}{
+		{gw, "http", []string{"client"}},
+		{gw, "bootstrap", []string{"encoder"}},
+		{gw, "admin", []string{"scraper"}},
+		{agent, "control", []string{"gateway"}},
+		{agent, "admin", []string{"scraper"}},
+		{redis, "redis", []string{"gateway", "redis"}},
+		{redis, "sentinel", []string{"gateway", "redis"}},
+	}
+	for _, d := range doors {
+		np := policyOf[d.w.String()]
+		if np == nil {
+			continue
+		}
+		for key, peer := range peers {
+			want := slices.Contains(d.admit, key)
+			if got := kubeAdmits(t, np, d.port, peer); got != want {
+				t.Errorf("%s's port %s: %s admitted %v, want %v (NetworkPolicy %s)", d.w, d.port, peer.what, got, want, np.Name)
+			}
+		}
+	}
 }
