@@ -52,6 +52,7 @@ type Server struct {
 	done    chan error
 
 	fleet   *fleet         // the encoders of every source (fleet.go)
+	guard   *selfGuard     // the gateway's own addresses, kept out of the fleet (selfguard.go)
 	recent  recentFailures // the gateway's own latest failure answers, for the status page
 	started time.Time
 	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
@@ -73,6 +74,12 @@ type Deps struct {
 	// for measuring what a flow costs in Redis (gateway/capacity_test.go,
 	// bench/capacity.sh); nil in production. Unused without Redis.
 	RedisHook redis.Hook
+	// Resolver looks up encoder host names for the self check (selfguard.go);
+	// nil means net.DefaultResolver.
+	Resolver Resolver
+	// InterfaceAddrs lists this host's addresses, which a listener on
+	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
+	InterfaceAddrs func() ([]net.Addr, error)
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -132,6 +139,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
+	s.guard = newSelfGuard(cfg, deps.Resolver, deps.InterfaceAddrs, clk)
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
 		pool.Close()
@@ -248,12 +256,12 @@ func (s *Server) Start() error {
 		ln.Close()
 		return fmt.Errorf("admin_listen: %w", err)
 	}
+	s.ln, s.adln = ln, adln
 	if err := s.startSources(*cfg); err != nil {
 		ln.Close()
 		adln.Close()
 		return err
 	}
-	s.ln, s.adln = ln, adln
 	s.conns.Listener, s.adconns.Listener = ln, adln
 	go func() { s.done <- s.srv.Serve(framingListener{tcpconn.Listener{Listener: s.conns}}) }()
 	go func() {
