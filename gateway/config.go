@@ -49,7 +49,8 @@ type Config struct {
 	AdvertiseURL string `yaml:"advertise_url" reload:"restart"`
 	// Fanout is how many URLs the gateway registers (default 1, at most 1024).
 	Fanout int `yaml:"fanout" reload:"restart"`
-	// SelfGuard keeps the gateway out of its own fleet (selfguard.go).
+	// SelfGuard keeps the gateway out of its own fleet and ends requests
+	// that loop back to it (selfguard.go, loop.go).
 	SelfGuard SelfGuardConfig `yaml:"self_guard" reload:"live"`
 	// Affinity controls req_id pinning.
 	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`
@@ -95,7 +96,8 @@ func (c Config) registrar() discovery.RegistrarConfig {
 func (c Config) dynamic() bool { return c.Bootstrap.Listen != "" || len(c.Discovery.DNS) > 0 }
 
 // SelfGuardConfig is the self_guard section: how the gateway tells that an
-// encoder is itself. Every key applies on a reload.
+// encoder is itself, and how many proxies a forwarded request may have
+// passed. Every key applies on a reload.
 type SelfGuardConfig struct {
 	// ResolveTimeout bounds one lookup of an encoder's host name when the
 	// gateway checks whether the name leads to one of its own listeners
@@ -109,6 +111,10 @@ type SelfGuardConfig struct {
 	// gateway, or which failed to resolve, is checked again (default 30s;
 	// at least 1s). Nothing runs while no such encoder is in the fleet.
 	RecheckInterval configfile.Duration `yaml:"recheck_interval"`
+	// MaxHops refuses, with 508 Loop Detected, a request whose Via header
+	// lists more than this many proxies (default 16; 1 to 255): a loop
+	// through gateways that do not see each other's marks ends there too.
+	MaxHops int `yaml:"max_hops"`
 }
 
 // Bounds of the self_guard section.
@@ -116,6 +122,7 @@ const (
 	minResolveTimeout  = 10 * time.Millisecond
 	maxResolveTimeout  = 30 * time.Second
 	minRecheckInterval = time.Second
+	maxHopsBound       = 255
 )
 
 // DefaultSelfGuard returns the self_guard defaults.
@@ -123,6 +130,7 @@ func DefaultSelfGuard() SelfGuardConfig {
 	return SelfGuardConfig{
 		ResolveTimeout:  configfile.Duration(2 * time.Second),
 		RecheckInterval: configfile.Duration(30 * time.Second),
+		MaxHops:         16,
 	}
 }
 
@@ -133,6 +141,9 @@ func (c SelfGuardConfig) Validate(p *configfile.Problems, path string) {
 	}
 	if c.RecheckInterval.D() < minRecheckInterval {
 		p.Addf(path+".recheck_interval", "must be >= %s, got %s", minRecheckInterval, c.RecheckInterval)
+	}
+	if c.MaxHops < 1 || c.MaxHops > maxHopsBound {
+		p.Addf(path+".max_hops", "must be between 1 and %d, got %d", maxHopsBound, c.MaxHops)
 	}
 }
 

@@ -125,8 +125,9 @@ func TestSelfRoutingRefusedFromEverySource(t *testing.T) {
 	}
 	served := encs[0].Stats().Routes["/encode"] + encs[1].Stats().Routes["/encode"]
 	accepted := metricValue(t, g, "encgate_connections_accepted_total")
-	t.Logf("%d of 30 /encodes failed; encoders served %d; fleet %v; refused static=%v registered=%v dns=%v; accepted connections %v",
-		failed, served, upstreamNames(t, g), selfRefused(t, g, "static"), selfRefused(t, g, "registered"), selfRefused(t, g, "dns"), accepted)
+	t.Logf("%d of 30 /encodes failed; encoders served %d; fleet %v; refused static=%v registered=%v dns=%v; loops %v; accepted connections %v",
+		failed, served, upstreamNames(t, g), selfRefused(t, g, "static"), selfRefused(t, g, "registered"), selfRefused(t, g, "dns"),
+		metricValue(t, g, "encgate_loops_detected_total"), accepted)
 	if names := upstreamNames(t, g); !slices.Equal(names, []string{"enc-0", "enc-1"}) {
 		t.Errorf("fleet %v, want the two encoders alone", names)
 	}

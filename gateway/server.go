@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"sync/atomic"
@@ -53,6 +54,7 @@ type Server struct {
 
 	fleet   *fleet         // the encoders of every source (fleet.go)
 	guard   *selfGuard     // the gateway's own addresses, kept out of the fleet (selfguard.go)
+	loop    *loopGuard     // the hop mark on what the gateway forwards (loop.go)
 	recent  recentFailures // the gateway's own latest failure answers, for the status page
 	started time.Time
 	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
@@ -80,6 +82,9 @@ type Deps struct {
 	// InterfaceAddrs lists this host's addresses, which a listener on
 	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
 	InterfaceAddrs func() ([]net.Addr, error)
+	// Entropy is where the instance id of the hop mark (loop.go) is drawn
+	// from; nil means crypto/rand.
+	Entropy io.Reader
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -139,6 +144,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
+	if s.loop, err = newLoopGuard(deps.Entropy, deps.Registry); err != nil {
+		pool.Close()
+		_ = s.closeStore()
+		return nil, err
+	}
 	s.guard = newSelfGuard(cfg, deps.Resolver, deps.InterfaceAddrs, clk)
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
@@ -271,7 +281,8 @@ func (s *Server) Start() error {
 	}()
 	s.ready.Store(true)
 	s.log.Info("gateway listening", zap.String("listen", ln.Addr().String()),
-		zap.String("admin_listen", adln.Addr().String()), zap.Int("encoders", len(cfg.Encoders)))
+		zap.String("admin_listen", adln.Addr().String()), zap.Int("encoders", len(cfg.Encoders)),
+		zap.String("via", string(s.loop.entry)))
 	return nil
 }
 
