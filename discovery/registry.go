@@ -354,6 +354,8 @@ type Registry struct {
 	// Register or Unregister, or when Refresh learns of an unregistration,
 	// so Run recomputes the set at once instead of at its next poll.
 	changed chan struct{}
+	// self, when set (SetSelfCheck), refuses URLs that are the gateway.
+	self SelfCheck
 
 	mu sync.Mutex // protects view
 	// view is the registrations this replica serves: URL -> when it ends,
@@ -374,7 +376,9 @@ func NewRegistry(cfg BootstrapConfig, store Store, clk clock.Clock, log *zap.Log
 // Re-registering a URL that is stored already refreshes it and does not
 // count against the bound; a new one beyond MaxEncoders gets ErrFull. A
 // URL that was unregistered can register again at once. An invalid URL gets
-// an error matching ErrInvalidURL; any other error is the store's.
+// an error matching ErrInvalidURL, and so does a URL the SelfCheck says is
+// the gateway itself (matching ErrSelf too; nothing is stored); any other
+// error is the store's.
 func (r *Registry) Register(ctx context.Context, rawURL string) error {
 	_, err := r.register(ctx, rawURL)
 	return err
@@ -385,6 +389,9 @@ func (r *Registry) register(ctx context.Context, rawURL string) (string, error) 
 	u, _, err := ParseEncoderURL(rawURL)
 	if err != nil {
 		return "", err
+	}
+	if err := r.checkSelf(ctx, u); err != nil {
+		return u, err
 	}
 	start := r.clk.Now()
 	if err := r.store.Add(ctx, u, r.cfg.TTL.D(), r.cfg.MaxEncoders); err != nil {

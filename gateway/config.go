@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
@@ -48,6 +49,9 @@ type Config struct {
 	AdvertiseURL string `yaml:"advertise_url" reload:"restart"`
 	// Fanout is how many URLs the gateway registers (default 1, at most 1024).
 	Fanout int `yaml:"fanout" reload:"restart"`
+	// SelfGuard keeps the gateway out of its own fleet and ends requests
+	// that loop back to it (selfguard.go, loop.go).
+	SelfGuard SelfGuardConfig `yaml:"self_guard" reload:"live"`
 	// Affinity controls req_id pinning.
 	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`
 	// Upstream controls connections to encoders.
@@ -90,6 +94,58 @@ func (c Config) registrar() discovery.RegistrarConfig {
 
 // dynamic reports whether encoders can join beyond the static list.
 func (c Config) dynamic() bool { return c.Bootstrap.Listen != "" || len(c.Discovery.DNS) > 0 }
+
+// SelfGuardConfig is the self_guard section: how the gateway tells that an
+// encoder is itself, and how many proxies a forwarded request may have
+// passed. Every key applies on a reload.
+type SelfGuardConfig struct {
+	// ResolveTimeout bounds one lookup of an encoder's host name when the
+	// gateway checks whether the name leads to one of its own listeners
+	// (default 2s; 10ms to 30s). Only names whose port is one of the
+	// gateway's own are looked up. A lookup that fails or runs out refuses
+	// nothing: the encoder stays, and is checked again every
+	// RecheckInterval.
+	ResolveTimeout configfile.Duration `yaml:"resolve_timeout"`
+	// RecheckInterval is how often encoders named by host (not by address)
+	// are looked up again, so that a name which starts to resolve to the
+	// gateway, or which failed to resolve, is checked again (default 30s;
+	// at least 1s). Nothing runs while no such encoder is in the fleet.
+	RecheckInterval configfile.Duration `yaml:"recheck_interval"`
+	// MaxHops refuses, with 508 Loop Detected, a request whose Via header
+	// lists more than this many proxies (default 16; 1 to 255): a loop
+	// through gateways that do not see each other's marks ends there too.
+	MaxHops int `yaml:"max_hops"`
+}
+
+// Bounds of the self_guard section.
+const (
+	minResolveTimeout  = 10 * time.Millisecond
+	maxResolveTimeout  = 30 * time.Second
+	minRecheckInterval = time.Second
+	maxHopsBound       = 255
+)
+
+// DefaultSelfGuard returns the self_guard defaults.
+func DefaultSelfGuard() SelfGuardConfig {
+	return SelfGuardConfig{
+		ResolveTimeout:  configfile.Duration(2 * time.Second),
+		RecheckInterval: configfile.Duration(30 * time.Second),
+		MaxHops:         16,
+	}
+}
+
+// Validate checks the section; path is its field path.
+func (c SelfGuardConfig) Validate(p *configfile.Problems, path string) {
+	if d := c.ResolveTimeout.D(); d < minResolveTimeout || d > maxResolveTimeout {
+		p.Addf(path+".resolve_timeout", "must be between %s and %s, got %s", minResolveTimeout, maxResolveTimeout, c.ResolveTimeout)
+	}
+	if c.RecheckInterval.D() < minRecheckInterval {
+		p.Addf(path+".recheck_interval", "must be >= %s, got %s", minRecheckInterval, c.RecheckInterval)
+	}
+	if c.MaxHops < 1 || c.MaxHops > maxHopsBound {
+		p.Addf(path+".max_hops", "must be between 1 and %d, got %d", maxHopsBound, c.MaxHops)
+	}
+}
 
 // ShutdownConfig is the gateway's shutdown section: the grace every role
 // has, plus the delay between going not-ready and closing the listener.
@@ -250,6 +306,7 @@ func DefaultConfig() Config {
 		Discovery:    DiscoveryConfig{DNS: []discovery.DNSConfig{}},
 		RegisterWith: []string{},
 		Fanout:       1,
+		SelfGuard:    DefaultSelfGuard(),
 		Limits: LimitsConfig{
 			MaxBodyBytes:          8 << 20,
 			MaxHeaderBytes:        64 << 10,
@@ -324,6 +381,8 @@ func (c Config) Validate() error {
 		d.Validate(&p, fmt.Sprintf("discovery.dns[%d]", i))
 	}
 	c.registrar().Validate(&p, "")
+	c.SelfGuard.Validate(&p, "self_guard")
+	checkSelfEncoders(&p, c)
 	c.Affinity.Validate(&p, "affinity")
 	c.Upstream.Validate(&p, "upstream")
 	c.Retry.Validate(&p, "retry")

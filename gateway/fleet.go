@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"maps"
+	"net"
 	"sort"
 	"sync"
 	"time"
@@ -35,7 +36,15 @@ type fleet struct {
 	// as they were configured when they left.
 	draining map[string]upstream.EncoderConfig
 
-	gauge *prometheus.GaugeVec // encgate_fleet_encoders{source,state}
+	// refused holds the members the last apply left out as this gateway
+	// itself ("source name" -> the reason), so that each refusal is logged
+	// and counted once, when it starts; unresolved, the URLs whose host
+	// name did not resolve ("source url"), logged once each likewise.
+	refused    map[string]string
+	unresolved map[string]bool
+
+	gauge       *prometheus.GaugeVec   // encgate_fleet_encoders{source,state}
+	selfRefused *prometheus.CounterVec // encgate_fleet_self_refused_total{source}
 	// draining is signalled when an apply leaves encoders draining: the
 	// drain checks run (and arm timers) only while some encoder drains.
 	drainWake chan struct{}
@@ -50,27 +59,36 @@ func newFleet(reg prometheus.Registerer) *fleet {
 			Name: "encgate_fleet_encoders",
 			Help: "Encoders in the fleet by source (static: the config file, registered: sglang's bootstrap API, dns) and state (active: takes new work; draining: left its source, still serves the req_ids pinned to it).",
 		}, []string{"source", "state"}),
+		selfRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_fleet_self_refused_total",
+			Help: "Encoders refused because they are this gateway itself (one of its listeners or its advertise_url), by source: static and dns count each encoder once as it is left out, registered each bootstrap registration answered 400 and each stored registration left out.",
+		}, []string{"source"}),
+	}
+	for _, src := range []string{upstream.SourceStatic, upstream.SourceRegistered, upstream.SourceDNS} {
+		f.selfRefused.WithLabelValues(src)
 	}
 	if reg != nil {
-		reg.MustRegister(f.gauge)
+		reg.MustRegister(f.gauge, f.selfRefused)
 	}
 	return f
 }
 
-// merge returns the encoder list for static plus the discovered members,
-// with the draining encoders after the active ones, and updates the
-// draining set: an active encoder missing from the new list starts to
-// drain, and a draining one that is back in a source is active again.
-// f.mu is held.
-func (f *fleet) merge(static []upstream.EncoderConfig) (list []upstream.EncoderConfig, left []string) {
-	list = make([]upstream.EncoderConfig, 0, len(static)+len(f.registered)+len(f.dns)+len(f.draining))
+// merge returns the encoder list for static plus the discovered members
+// registered and dns, with the draining encoders after the active ones,
+// and updates the draining set: an active encoder missing from the new
+// list starts to drain, and a draining one that is back in a source is
+// active again. An encoder named in self (refused as this gateway itself)
+// does not drain: it leaves at once, as its pins could only loop. f.mu is
+// held.
+func (f *fleet) merge(static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) (list []upstream.EncoderConfig, left []string) {
+	list = make([]upstream.EncoderConfig, 0, len(static)+len(registered)+len(dns)+len(f.draining))
 	seen := map[string]bool{} // names and URLs: either seen makes a member the same encoder
 	for _, ec := range static {
 		ec.Source, ec.Draining, ec.Joining = upstream.SourceStatic, false, false
 		list = append(list, ec)
 		seen[ec.Name], seen[ec.URL] = true, true
 	}
-	for _, src := range [][]discovery.Member{f.registered, f.dns} {
+	for _, src := range [][]discovery.Member{registered, dns} {
 		for _, m := range src {
 			if seen[m.Name] || seen[m.URL] {
 				continue
@@ -84,8 +102,13 @@ func (f *fleet) merge(static []upstream.EncoderConfig) (list []upstream.EncoderC
 		next[ec.Name] = ec
 		delete(f.draining, ec.Name)
 	}
-	for name, ec := range f.active {
+	for name := range self {
 		if _, stays := next[name]; !stays {
+			delete(f.draining, name)
+		}
+	}
+	for name, ec := range f.active {
+		if _, stays := next[name]; !stays && !self[name] {
 			ec.Draining, ec.Joining = true, false
 			f.draining[name] = ec
 			left = append(left, name)
@@ -135,7 +158,8 @@ func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err er
 		c = s.conf()
 	}
 	prevActive, prevDraining := maps.Clone(f.active), maps.Clone(f.draining)
-	list, left := f.merge(c.Encoders)
+	static, registered, dns, self := s.withoutSelf(c)
+	list, left := f.merge(static, registered, dns, self)
 	set := poolSettings(*c)
 	set.Encoders = list
 	added, removed, err := s.pool.Reload(set)
@@ -236,4 +260,176 @@ func (s *Server) runDrainChecks(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// maxParallelLookups bounds the host-name lookups one apply runs at once.
+const maxParallelLookups = 16
+
+// withoutSelf returns c's static encoders and the discovered members less
+// those that are this gateway itself (selfGuard.check), and the names of
+// those left out. Host names on one of the gateway's ports are looked up
+// first, all at once (at most maxParallelLookups in flight, each within
+// self_guard.resolve_timeout; a lookup younger than
+// self_guard.recheck_interval stands). A name that does not resolve
+// refuses nothing. Each refusal is logged and counted once, when it
+// starts. f.mu is held.
+func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) {
+	f, g := s.fleet, s.guard
+	ctx := context.Background()
+	how := selfCheck{timeout: c.SelfGuard.ResolveTimeout.D(), fresh: c.SelfGuard.RecheckInterval.D()}
+	names := map[string]bool{}
+	note := func(u string) {
+		if h, ok := g.namedHost(u); ok {
+			names[h] = true
+		}
+	}
+	for _, ec := range c.Encoders {
+		note(ec.URL)
+		note(ec.Agent)
+	}
+	for _, m := range append(append([]discovery.Member(nil), f.registered...), f.dns...) {
+		note(m.URL)
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, maxParallelLookups)
+	for h := range names {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			_, _ = g.lookup(ctx, h, how)
+		}()
+	}
+	wg.Wait()
+	g.keepNames(names)
+
+	refused := map[string]string{}
+	unresolved := map[string]bool{}
+	self = map[string]bool{}
+	isSelf := func(source, name string, urls ...string) bool {
+		for _, u := range urls {
+			if u == "" {
+				continue
+			}
+			why, err := g.check(ctx, u, how)
+			if err != nil {
+				key := source + " " + u
+				unresolved[key] = true
+				if !f.unresolved[key] {
+					s.quiet.Info("cannot tell whether an encoder is this gateway: its host name does not resolve; it stays, and is checked again every self_guard.recheck_interval",
+						zap.String("source", source), zap.String("encoder", name), zap.String("url", u), zap.Error(err))
+				}
+				continue
+			}
+			if why == "" {
+				continue
+			}
+			key := source + " " + name
+			refused[key] = u + " " + why
+			self[name] = true
+			if _, was := f.refused[key]; !was {
+				f.selfRefused.WithLabelValues(source).Inc()
+				log := s.log
+				if source == upstream.SourceRegistered {
+					log = s.quiet // registrations come from whoever reaches the bootstrap API
+				}
+				log.Warn("encoder refused: it is this gateway itself", zap.String("source", source),
+					zap.String("encoder", name), zap.String("reason", u+" "+why))
+			}
+			return true
+		}
+		return false
+	}
+	for _, ec := range c.Encoders {
+		if !isSelf(upstream.SourceStatic, ec.Name, ec.URL, ec.Agent) {
+			static = append(static, ec)
+		}
+	}
+	for _, m := range f.registered {
+		if !isSelf(upstream.SourceRegistered, m.Name, m.URL) {
+			registered = append(registered, m)
+		}
+	}
+	for _, m := range f.dns {
+		if !isSelf(upstream.SourceDNS, m.Name, m.URL) {
+			dns = append(dns, m)
+		}
+	}
+	f.refused, f.unresolved = refused, unresolved
+	return static, registered, dns, self
+}
+
+// bindSelf tells the self check the listeners as bound (the ports a
+// listen of :0 got are known only now) and applies the fleet again, so a
+// static encoder that turns out to be the gateway leaves before any
+// traffic.
+func (s *Server) bindSelf(boot net.Listener) {
+	ls := map[string]net.Addr{"listen": s.ln.Addr(), "admin_listen": s.adln.Addr()}
+	if boot != nil {
+		ls["bootstrap.listen"] = boot.Addr()
+	}
+	s.guard.bind(ls)
+	s.reapply("self check")
+}
+
+// recheckSelf looks up every encoder host name again and applies the
+// fleet, so a name that now resolves to the gateway (or resolves at all)
+// is checked; it reports whether some name is still kept.
+func (s *Server) recheckSelf() bool {
+	if s.guard.expireNames() == 0 {
+		return false
+	}
+	s.reapply("self recheck")
+	return s.guard.namesKept() > 0
+}
+
+// reapply applies the fleet in force again and logs what changed.
+func (s *Server) reapply(why string) {
+	ch, err := s.applyFleet(nil, nil)
+	if err != nil {
+		s.log.Error("fleet change refused", zap.String("cause", why), zap.Error(err))
+		return
+	}
+	if !ch.empty() {
+		s.log.Info("fleet changed", zap.String("cause", why), zap.Strings("encoders_added", ch.added),
+			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed))
+	}
+}
+
+// runSelfRechecks calls recheckSelf every self_guard.recheck_interval
+// while the fleet has encoders named by a host name on one of the
+// gateway's ports, until ctx ends; with none it waits for one (no timer).
+func (s *Server) runSelfRechecks(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.guard.named:
+		}
+		for named := true; named; {
+			t := s.clk.NewTimer(s.conf().SelfGuard.RecheckInterval.D())
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C():
+			}
+			named = s.recheckSelf()
+		}
+	}
+}
+
+// registrationSelfCheck is the registry's discovery.SelfCheck: a
+// registration of the gateway itself is refused (400), logged (sampled:
+// anyone who reaches the bootstrap API can send them) and counted. A name
+// that does not resolve refuses nothing: it joins, and the fleet's checks
+// look it up again.
+func (s *Server) registrationSelfCheck(ctx context.Context, u string) string {
+	why, _ := s.guard.check(ctx, u, selfCheck{timeout: s.conf().SelfGuard.ResolveTimeout.D()})
+	if why != "" {
+		s.fleet.selfRefused.WithLabelValues(upstream.SourceRegistered).Inc()
+		s.quiet.Warn("encoder registration refused: it is this gateway itself", zap.String("url", u), zap.String("reason", why))
+	}
+	return why
 }

@@ -518,7 +518,7 @@ func TestFleetMergeDedupesAndDrains(t *testing.T) {
 		{Name: "10.0.0.2:30000", URL: "http://10.0.0.2:30000", Source: "dns"}, // registered already
 		{Name: "10.0.0.3:30000", URL: "http://10.0.0.3:30000", Source: "dns"},
 	}
-	list, left := f.merge(static)
+	list, left := f.merge(static, f.registered, f.dns, nil)
 	got := func(l []upstream.EncoderConfig) []string {
 		var out []string
 		for _, ec := range l {
@@ -536,19 +536,19 @@ func TestFleetMergeDedupesAndDrains(t *testing.T) {
 	}
 	// 10.0.0.2 unregisters but DNS still has it: it stays, now from DNS.
 	f.registered = f.registered[:1]
-	list, left = f.merge(static)
+	list, left = f.merge(static, f.registered, f.dns, nil)
 	if g := got(list); !slices.Contains(g, "10.0.0.2:30000 dns draining=false joining=true") || len(left) != 0 {
 		t.Fatalf("after the registration left: %v, left %v", g, left)
 	}
 	// 10.0.0.3 leaves DNS: it drains, after the active ones.
 	f.dns = f.dns[:1]
-	list, left = f.merge(static)
+	list, left = f.merge(static, f.registered, f.dns, nil)
 	if g := got(list); g[len(g)-1] != "10.0.0.3:30000 dns draining=true joining=false" || !slices.Equal(left, []string{"10.0.0.3:30000"}) {
 		t.Fatalf("after 10.0.0.3 left DNS: %v, left %v", g, left)
 	}
 	// It comes back: active again, not listed twice.
 	f.dns = append(f.dns, discovery.Member{Name: "10.0.0.3:30000", URL: "http://10.0.0.3:30000", Source: "dns"})
-	list, _ = f.merge(static)
+	list, _ = f.merge(static, f.registered, f.dns, nil)
 	if g := got(list); len(g) != 3 || g[2] != "10.0.0.3:30000 dns draining=false joining=true" {
 		t.Fatalf("after 10.0.0.3 came back: %v", g)
 	}

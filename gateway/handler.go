@@ -30,7 +30,8 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	s.metrics.observe(rt, ctx.Response.StatusCode(), s.clk.Now().Sub(start))
 }
 
-// serve is the request path: route → parse → dedupe → exchange → envelope.
+// serve is the request path: route → loop check → parse → dedupe → exchange
+// → envelope.
 func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	// Route.
 	if rt == sglang.RouteUnknown {
@@ -40,6 +41,11 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	if !(ctx.IsGet() && rt.GET || ctx.IsPost() && rt.POST || ctx.IsHead() && rt.GET) {
 		ctx.Response.Header.Set("Allow", rt.Allow())
 		writeEnvelope(ctx, fasthttp.StatusMethodNotAllowed, "encgate: method "+string(ctx.Method())+" not allowed on "+rt.Path, nil)
+		return
+	}
+	// Loop: a request that has been through this gateway already (or
+	// through more proxies than self_guard.max_hops) is never forwarded.
+	if rt.Kind != sglang.KindHealth && s.looped(ctx, rt) {
 		return
 	}
 	switch rt.Kind {
@@ -94,7 +100,7 @@ func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqI
 	return s.pool.Exchange(&upstream.Call{
 		Route: rt, ReqID: reqID, Rank: rank,
 		Method: ctx.Method(), ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(),
-		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp,
+		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp, Via: s.loop.via(&ctx.Request.Header),
 	})
 }
 
@@ -148,7 +154,8 @@ func (s *Server) serveHealth(ctx *fasthttp.RequestCtx) {
 // succeeded, else the highest error status.
 func (s *Server) serveBroadcast(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	answers := s.pool.Broadcast(&upstream.Call{Route: rt, Method: ctx.Method(),
-		ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody()}, s.conf().Upstream.Timeout.D())
+		ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(), Via: s.loop.via(&ctx.Request.Header)},
+		s.conf().Upstream.Timeout.D())
 	sort.SliceStable(answers, func(i, j int) bool { return answers[i].Encoder < answers[j].Encoder })
 	status := fasthttp.StatusOK
 	var body bytes.Buffer

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"sync/atomic"
@@ -52,6 +53,8 @@ type Server struct {
 	done    chan error
 
 	fleet   *fleet         // the encoders of every source (fleet.go)
+	guard   *selfGuard     // the gateway's own addresses, kept out of the fleet (selfguard.go)
+	loop    *loopGuard     // the hop mark on what the gateway forwards (loop.go)
 	recent  recentFailures // the gateway's own latest failure answers, for the status page
 	started time.Time
 	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
@@ -73,6 +76,15 @@ type Deps struct {
 	// for measuring what a flow costs in Redis (gateway/capacity_test.go,
 	// bench/capacity.sh); nil in production. Unused without Redis.
 	RedisHook redis.Hook
+	// Resolver looks up encoder host names for the self check (selfguard.go);
+	// nil means net.DefaultResolver.
+	Resolver Resolver
+	// InterfaceAddrs lists this host's addresses, which a listener on
+	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
+	InterfaceAddrs func() ([]net.Addr, error)
+	// Entropy is where the instance id of the hop mark (loop.go) is drawn
+	// from; nil means crypto/rand.
+	Entropy io.Reader
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -132,6 +144,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
+	if s.loop, err = newLoopGuard(deps.Entropy, deps.Registry); err != nil {
+		pool.Close()
+		_ = s.closeStore()
+		return nil, err
+	}
+	s.guard = newSelfGuard(cfg, deps.Resolver, deps.InterfaceAddrs, clk)
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
 		pool.Close()
@@ -248,12 +266,12 @@ func (s *Server) Start() error {
 		ln.Close()
 		return fmt.Errorf("admin_listen: %w", err)
 	}
+	s.ln, s.adln = ln, adln
 	if err := s.startSources(*cfg); err != nil {
 		ln.Close()
 		adln.Close()
 		return err
 	}
-	s.ln, s.adln = ln, adln
 	s.conns.Listener, s.adconns.Listener = ln, adln
 	go func() { s.done <- s.srv.Serve(framingListener{tcpconn.Listener{Listener: s.conns}}) }()
 	go func() {
@@ -263,7 +281,8 @@ func (s *Server) Start() error {
 	}()
 	s.ready.Store(true)
 	s.log.Info("gateway listening", zap.String("listen", ln.Addr().String()),
-		zap.String("admin_listen", adln.Addr().String()), zap.Int("encoders", len(cfg.Encoders)))
+		zap.String("admin_listen", adln.Addr().String()), zap.Int("encoders", len(cfg.Encoders)),
+		zap.String("via", string(s.loop.entry)))
 	return nil
 }
 

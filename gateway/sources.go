@@ -42,6 +42,7 @@ func (s *Server) newSources(cfg Config) (*sources, error) {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
 		}
 		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"))
+		src.registry.SetSelfCheck(s.registrationSelfCheck)
 		src.boot = &fasthttp.Server{
 			Handler:               src.registry.Handler(s.log.Named("bootstrap")),
 			Name:                  "encgate-bootstrap",
@@ -73,6 +74,9 @@ func (s *Server) startSources(cfg Config) error {
 		}
 		src.bootln = ln
 	}
+	// Every listener is bound: the self check learns their ports before
+	// any source can add an encoder.
+	s.bindSelf(src.bootln)
 	ctx, cancel := context.WithCancel(context.Background())
 	src.cancel = cancel
 	run := func(name string, f func()) {
@@ -118,6 +122,7 @@ func (s *Server) startSources(cfg Config) error {
 		})
 	}
 	run("drain checks", func() { s.runDrainChecks(ctx) })
+	run("self rechecks", func() { s.runSelfRechecks(ctx) })
 	return nil
 }
 

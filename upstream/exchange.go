@@ -36,6 +36,13 @@ type Call struct {
 	// Resp receives each attempt's answer; after Exchange it holds the
 	// last one when the verdict is KindAnswered. The caller owns it.
 	Resp *fasthttp.Response
+	// Via, when set, is sent as the Via header of every attempt (and of a
+	// broadcast's requests): the caller's hop list with the gateway's own
+	// entry appended, by which a gateway that sees its own entry come back
+	// knows the request looped. Each attempt's request is built afresh
+	// from the call, so nothing of the caller's headers passes unless it is
+	// carried here. Shared, not copied.
+	Via []byte
 }
 
 // Result is how a call ended.
@@ -161,6 +168,9 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 		req.SetRequestURI(c.Route.Path)
 		if len(c.ContentType) > 0 {
 			req.Header.SetContentTypeBytes(c.ContentType)
+		}
+		if len(c.Via) > 0 {
+			req.Header.SetBytesV(fasthttp.HeaderVia, c.Via)
 		}
 		req.SetBodyRaw(c.Body)
 		err := t.do(req, c.Resp, timeout)
@@ -493,6 +503,9 @@ func (p *Pool) broadcastOne(c *Call, e *Encoder, timeout time.Duration) Broadcas
 	req.SetRequestURI(c.Route.Path)
 	if len(c.ContentType) > 0 {
 		req.Header.SetContentTypeBytes(c.ContentType)
+	}
+	if len(c.Via) > 0 {
+		req.Header.SetBytesV(fasthttp.HeaderVia, c.Via)
 	}
 	req.SetBodyRaw(c.Body)
 	t := e.targetFor(c.Route, nil)

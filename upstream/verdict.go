@@ -295,6 +295,11 @@ func judgeAnswer(rt *sglang.Route, ignore []Condition, status int, body []byte) 
 func answerCause(rt *sglang.Route, status int, body []byte) Cause {
 	has := func(s string) bool { return bytes.Contains(body, []byte(s)) }
 	switch {
+	case status == fasthttp.StatusLoopDetected:
+		// A gateway in the path saw the request come back to it (its Via):
+		// the fleet's wiring loops, which says nothing about this encoder's
+		// health, and every attempt would loop alike.
+		return CauseRequest
 	case status == fasthttp.StatusGatewayTimeout && (rt.LongPoll || has(sglang.MetadataNotReady)):
 		// A metadata pull, registration or /send that waited as long as the
 		// encoder waits (or a DP rank's wait for it) and gave up.

@@ -65,6 +65,8 @@ func TestVerdictTable(t *testing.T) {
 		{"AssertionError text on a registration (GEN0)", reg, tgt, answer(500, "Internal Server Error\n"), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"KeyError text on a metadata pull", meta, tgt, answer(500, "Internal Server Error"), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		{"RDMA write failed", send, tgt, answer(500, env("Mooncake transfer_sync failed for r (session=s, nbytes=8, ret=-1)")), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
+		{"508: a gateway in the path saw the request loop", enc, tgt, answer(508, env("encgate: loop detected: this request has passed through this gateway (encgate-0102030405060708) already")), KindAnswered, Delivered, CauseRequest, 508, MarkIgnored, "status_508", false, "508", ""},
+		{"508 on a registration: not retried", reg, tgt, answer(508, env("encgate: loop detected")), KindAnswered, Delivered, CauseRequest, 508, MarkIgnored, "status_508", false, "508", ""},
 		{"agent ack undeliverable", send, agent, answer(500, env("encgate: 8 bytes for r reached session=s, but the ack to tcp://h:1 (prefill_host:embedding_port) failed, so the receiver will not know: refused")), KindAnswered, Delivered, CauseRequest, 500, MarkIgnored, "status_500", false, "500", ""},
 		// Another request's failure.
 		{"GEN0 sibling of a failed encode", enc, tgt, answer(500, env(sglang.EncodeFailedFirst)), KindAnswered, Delivered, CauseOtherRequest, 500, MarkIgnored, "status_500", false, "500", ""},
