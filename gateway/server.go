@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"sync/atomic"
 	"time"
 
@@ -73,6 +74,10 @@ type Deps struct {
 	// for measuring what a flow costs in Redis (gateway/capacity_test.go,
 	// bench/capacity.sh); nil in production. Unused without Redis.
 	RedisHook redis.Hook
+	// Resolve returns the addresses of the host name of a URL registered
+	// on the bootstrap API, for bootstrap.allow_networks; nil means the
+	// system resolver (bounded by bootstrap.resolve_timeout either way).
+	Resolve func(ctx context.Context, host string) ([]netip.Addr, error)
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -138,7 +143,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = s.closeStore()
 		return nil, err
 	}
-	if s.sources, err = s.newSources(cfg); err != nil {
+	if s.sources, err = s.newSources(cfg, deps.Resolve); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err
