@@ -278,7 +278,7 @@ func TestBootstrapConfigValidate(t *testing.T) {
 	}
 	for _, ok := range []string{"0.0.0.0:8997", "127.0.0.1:0", ":8997", "[::]:8997"} {
 		c := DefaultBootstrap()
-		c.Listen = ok
+		c.Listen, c.Insecure = ok, true // who may register: bootstrap_access_test.go
 		var p configfile.Problems
 		c.Validate(&p, "bootstrap")
 		if err := p.Err(); err != nil {
