@@ -165,7 +165,7 @@ func Run(ctx context.Context, w io.Writer, opts Options) error {
 		return err
 	}
 	fmt.Fprintln(w)
-	fr, err := fleetPhase(ctx, gw)
+	fr, err := fleetPhase(ctx, gw, nd.bootToken)
 	if err != nil {
 		return err
 	}
@@ -281,9 +281,12 @@ func startGateway(f *fleet, nd *nodes, log *zap.Logger, reg *prometheus.Registry
 	// recovers: 300ms, growing by as much per trip up to 1.2s.
 	cfg.Breaker.BaseEjectionTime = configfile.Duration(300 * time.Millisecond)
 	cfg.Breaker.MaxEjectionTime = configfile.Duration(1200 * time.Millisecond)
-	// sglang's bootstrap API on loopback: the fleet phase's encoder
-	// registers there and joins after one passed health check.
+	// sglang's bootstrap API on loopback, its routes under /t/<token>
+	// (bootstrap.token_file): the fleet phase's encoder registers there, as
+	// sglang's --encoder-register-urls http://HOST:PORT/t/<token> does, and
+	// joins after one passed health check.
 	cfg.Bootstrap.Listen = "127.0.0.1:0"
+	cfg.Bootstrap.TokenFile = nd.bootTokenFile
 	cfg.Health.UpAfter = 1
 	gw, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg})
 	if err != nil {

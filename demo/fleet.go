@@ -28,13 +28,13 @@ type FleetResult struct {
 }
 
 // fleetPhase starts one more fake encoder that registers itself with the
-// gateway's bootstrap listener, as sglang's encoders do with
-// --encoder-register-urls; waits for it to join; sends new /encodes; makes
+// gateway's bootstrap listener under its token, as sglang's encoders do with
+// --encoder-register-urls http://HOST:PORT/t/<token>; waits for it to join; sends new /encodes; makes
 // it unregister while req_ids are pinned to it; shows that their
 // follow-ups still reach it and new work does not; releases them (/send);
 // and waits for the gateway to drop it.
-func fleetPhase(ctx context.Context, gw *gateway.Server) (*FleetResult, error) {
-	boot := "http://" + gw.BootstrapAddr()
+func fleetPhase(ctx context.Context, gw *gateway.Server, bootToken string) (*FleetResult, error) {
+	boot := "http://" + gw.BootstrapAddr() + "/t/" + bootToken
 	enc := fakeencoder.New(fakeencoder.Options{Name: "enc-reg", Mode: fakeencoder.ModeMooncake,
 		RegisterURLs: []string{boot}, RegistrationInterval: 50 * time.Millisecond})
 	start := time.Now()
@@ -146,7 +146,7 @@ func waitFor(ctx context.Context, d time.Duration, cond func() bool) error {
 }
 
 func printFleet(w io.Writer, r *FleetResult) {
-	fmt.Fprintf(w, "fleet: %s registered itself through the bootstrap API (as --encoder-register-urls does) and joined after its health check in %s; it took %d of %d new /encodes\n",
+	fmt.Fprintf(w, "fleet: %s registered itself through the bootstrap API under its token (as --encoder-register-urls http://HOST:PORT/t/<token> does) and joined after its health check in %s; it took %d of %d new /encodes\n",
 		r.Name, r.Joined.Round(time.Millisecond), r.TookEncodes, r.NewEncodes)
 	fmt.Fprintf(w, "fleet: it unregistered while %d req_ids were pinned to it and drained: %d of %d of their follow-ups answered 200 by it, %d of 24 new /encodes sent to it; dropped %s after its last req_id was released\n",
 		r.Pinned, r.PinnedOK, r.Pinned, r.AfterLeft, r.Dropped.Round(time.Millisecond))

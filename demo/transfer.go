@@ -36,6 +36,9 @@ type nodes struct {
 	// tokenFile holds the bearer token every agent requires on /send; the
 	// gateway's encoders[].agent_token_file names it.
 	tokenFile string
+	// bootToken is the gateway's bootstrap token (bootstrap.token_file is
+	// bootTokenFile): the fleet phase's encoder registers under /t/<it>.
+	bootToken, bootTokenFile string
 }
 
 func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
@@ -50,12 +53,17 @@ func startNodes(n, receiverBytes int, log *zap.Logger) (*nodes, error) {
 	if err != nil {
 		return nil, err
 	}
-	nd := &nodes{recv: recv, dir: dir, tokenFile: filepath.Join(dir, "agent.token")}
+	nd := &nodes{recv: recv, dir: dir, tokenFile: filepath.Join(dir, "agent.token"),
+		bootToken: rand.Text() + rand.Text(), bootTokenFile: filepath.Join(dir, "bootstrap.token")}
 	if err := recv.Start(); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
 	if err := os.WriteFile(nd.tokenFile, []byte(rand.Text()+"\n"), 0o600); err != nil {
+		nd.close()
+		return nil, err
+	}
+	if err := os.WriteFile(nd.bootTokenFile, []byte(nd.bootToken+"\n"), 0o600); err != nil {
 		nd.close()
 		return nil, err
 	}

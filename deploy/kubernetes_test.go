@@ -669,6 +669,9 @@ func kubeSecretFiles(sub string, cfg any) map[string]string {
 		if f := c.Admin.TokenFile; f != "" {
 			out["admin.token_file"] = f
 		}
+		if f := c.Bootstrap.TokenFile; f != "" {
+			out["bootstrap.token_file"] = f
+		}
 		if f := c.Redis.PasswordFile; f != "" {
 			out["redis.password_file"] = f
 		}
@@ -1695,7 +1698,7 @@ func TestKubeSecretPlaceholdersAreRefused(t *testing.T) {
 			checked[sub+" "+yp]++
 		}
 	}
-	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway redis.password_file", "gateway redis.sentinel_password_file"} {
+	for _, want := range []string{"agent control.token_file", "gateway admin.token_file", "gateway bootstrap.token_file", "gateway redis.password_file", "gateway redis.sentinel_password_file"} {
 		if checked[want] == 0 {
 			t.Errorf("no Secret placeholder checked for the %s: the config reads no such file", want)
 		}
@@ -1862,9 +1865,12 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { _ = enc.Close() })
+				// The test's callers are on loopback, outside the kit's
+				// pod CIDR.
 				content = kubeSetYAMLNodes(t, content, map[string]*yaml.Node{
-					"redis.sentinel_addrs": kubeYAMLJSON(t, sn.SentinelAddrs()),
-					"encoders":             kubeYAMLJSON(t, []map[string]string{{"name": "enc-a", "url": enc.URL()}}),
+					"redis.sentinel_addrs":     kubeYAMLJSON(t, sn.SentinelAddrs()),
+					"encoders":                 kubeYAMLJSON(t, []map[string]string{{"name": "enc-a", "url": enc.URL()}}),
+					"bootstrap.allow_networks": kubeYAMLJSON(t, []string{"127.0.0.0/8"}),
 				})
 			case "agent":
 				// Short: a Unix socket path has 107 bytes at most.
@@ -1888,6 +1894,10 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 			args := slices.Clone(e.c.Args)
 			args[slices.Index(args, got["config"][0])] = p
 			proc := kubeStart(t, bin, args)
+			var boot map[string]any
+			if sub == "gateway" {
+				boot = proc.waitFor(t, "bootstrap listening") // logged before "gateway listening"
+			}
 			ready := proc.waitFor(t, sub+" listening")
 			admin, _ := ready["admin_listen"].(string)
 			listen, _ := ready["listen"].(string)
@@ -1931,6 +1941,15 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 					t.Errorf("the agent did not drain cleanly on SIGTERM: %v\n%s", err, proc.logText())
 				}
 			case "gateway":
+				// bootstrap.token_file's token (the Secret's bootstrap-token)
+				// is the path the bootstrap API is served under.
+				bootAddr, _ := boot["bootstrap_listen"].(string)
+				if code := kubeGet(t, "http://"+bootAddr+"/health", ""); code != http.StatusNotFound {
+					t.Errorf("GET /health on the bootstrap listener without the token: %d, want 404", code)
+				}
+				if code := kubeGet(t, "http://"+bootAddr+"/t/"+kubeTestToken+"/health", ""); code != http.StatusOK {
+					t.Errorf("GET /t/<token>/health on the bootstrap listener: %d, want 200", code)
+				}
 				// A /send reaches the encoder once through the master the
 				// sentinels name: the record the first one wrote there is
 				// what its duplicate replays.

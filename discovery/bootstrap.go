@@ -20,7 +20,8 @@ import (
 type BootstrapConfig struct {
 	// Listen is the bootstrap server's address, e.g. "0.0.0.0:8997"
 	// (sglang's --encoder-bootstrap-port default). Empty (the default)
-	// turns it off: it takes registrations from anyone who can reach it.
+	// turns it off. Who may register is TokenFile's and AllowNetworks's
+	// to say, below.
 	Listen string `yaml:"listen"`
 	// MaxEncoders bounds the registered encoders (default 1024), so that
 	// callers cannot grow what the gateway holds and health-checks without
@@ -38,15 +39,45 @@ type BootstrapConfig struct {
 	// is under 100 bytes). The server that serves Handler should use it as
 	// its MaxRequestBodySize too, so larger bodies are refused unread.
 	MaxBodyBytes configfile.ByteSize `yaml:"max_body_bytes"`
+
+	// Who may use the API (bootstrap_access.go). With Listen set, at
+	// least one of TokenFile and AllowNetworks is required, or Insecure
+	// written: Validate refuses a listener open to whoever reaches it.
+
+	// TokenFile holds the token the routes are served under: only
+	// /t/<token>/register_encoder_url and the like answer, so sglang's
+	// encoders are started with --encoder-register-urls
+	// http://HOST:PORT/t/<token>. The file's rules are a bearer token
+	// file's (mode 0600 or 0640, one line, at most 4KiB), the token at
+	// least MinBootstrapTokenLen characters of letters, digits and -._~
+	// (safe in a URL path as it is). Read at start and again on every
+	// reload, so a rewritten file (a rotated Secret) applies on SIGHUP; the
+	// path itself needs a restart, as every bootstrap key does.
+	TokenFile string `yaml:"token_file"`
+	// AllowNetworks lists the CIDRs (e.g. the cluster's pod CIDR) that a
+	// caller's address, and every address of the host of a URL it
+	// registers, must be in. Empty: no such check.
+	AllowNetworks []string `yaml:"allow_networks"`
+	// Insecure, when true, serves the API to whoever reaches Listen, with
+	// neither TokenFile nor AllowNetworks (a laptop, a test); the gateway
+	// logs a warning at start. It cannot be combined with either.
+	Insecure bool `yaml:"insecure"`
+	// ResolveTimeout bounds resolving the host name of a URL being
+	// registered, for the AllowNetworks check (default 2s, at most 5s:
+	// sglang's registration call gives up after 5 s).
+	ResolveTimeout configfile.Duration `yaml:"resolve_timeout"`
 }
 
 // DefaultBootstrap returns the bootstrap defaults: off, 1024 encoders, a
-// 60 s TTL and 4 KiB bodies.
+// 60 s TTL, 4 KiB bodies, no token, no networks, a 2 s resolve timeout.
 func DefaultBootstrap() BootstrapConfig {
 	return BootstrapConfig{
 		MaxEncoders:  1024,
 		TTL:          configfile.Duration(60 * time.Second),
 		MaxBodyBytes: 4 << 10,
+		// Empty, not nil: what `allow_networks: []` decodes to.
+		AllowNetworks:  []string{},
+		ResolveTimeout: configfile.Duration(2 * time.Second),
 	}
 }
 
@@ -72,6 +103,7 @@ func (c BootstrapConfig) Validate(p *configfile.Problems, path string) {
 	if c.MaxBodyBytes < minBootstrapBody {
 		p.Addf(path+".max_body_bytes", "must be >= %d, got %d", minBootstrapBody, int64(c.MaxBodyBytes))
 	}
+	c.validateAccess(p, path)
 }
 
 // Bootstrap API routes, as sglang's EncoderBootstrapServer serves them.
@@ -107,20 +139,32 @@ var bootstrapURLKey = []string{"url"}
 // sglang's retry interval) or the store is unavailable; 404 and 405 (with
 // Allow) for other paths and methods. Registrations and unregistrations are
 // logged at info with the normalised URL.
-func (r *Registry) Handler(log *zap.Logger) fasthttp.RequestHandler {
-	h := &bootstrapHandler{r: r, log: log}
+//
+// access says who may call (BootstrapAccess): with a token the routes are
+// served only under /t/<token>/, and every other path is a 404
+// {"error":"not found"}; with networks a caller outside them gets a 403,
+// and a registration of a URL whose host is outside them a 400 (a 503 with
+// Retry-After when resolving its name failed). Both checks come before the
+// path and method are looked at; the networks' before the token's.
+func (r *Registry) Handler(log *zap.Logger, access BootstrapAccess) fasthttp.RequestHandler {
+	h := &bootstrapHandler{r: r, log: log, guard: newBootstrapGuard(access, log)}
 	return h.serve
 }
 
 // bootstrapHandler is Handler's state.
 type bootstrapHandler struct {
-	r   *Registry
-	log *zap.Logger
+	r     *Registry
+	log   *zap.Logger
+	guard *bootstrapGuard
 }
 
 func (h *bootstrapHandler) serve(ctx *fasthttp.RequestCtx) {
+	route, ok := h.guard.admit(ctx)
+	if !ok {
+		return
+	}
 	var method string
-	switch string(ctx.Path()) {
+	switch route {
 	case pathRegister:
 		method = fasthttp.MethodPost
 	case pathUnregister:
@@ -137,7 +181,7 @@ func (h *bootstrapHandler) serve(ctx *fasthttp.RequestCtx) {
 		bootstrapError(ctx, fasthttp.StatusMethodNotAllowed, "method not allowed; use "+method)
 		return
 	}
-	switch string(ctx.Path()) {
+	switch route {
 	case pathHealth:
 		bootstrapOK(ctx)
 	case pathList:
@@ -190,6 +234,9 @@ func (h *bootstrapHandler) change(ctx *fasthttp.RequestCtx, add bool) {
 		err error
 	)
 	if add {
+		if norm, _, perr := ParseEncoderURL(rawURL); perr == nil && !h.guard.checkURL(ctx, norm) {
+			return
+		}
 		u, err = h.r.register(ctx, rawURL)
 	} else {
 		u, err = h.r.unregister(ctx, rawURL)

@@ -25,11 +25,17 @@ import (
 // far above the registry's, so the handler's 413 is what a test sees.
 func serveBootstrap(t *testing.T, reg *Registry, log *zap.Logger) string {
 	t.Helper()
+	return serveBootstrapWith(t, reg, log, BootstrapAccess{})
+}
+
+// serveBootstrapWith is serveBootstrap with access.
+func serveBootstrapWith(t *testing.T, reg *Registry, log *zap.Logger, access BootstrapAccess) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &fasthttp.Server{Handler: reg.Handler(log), MaxRequestBodySize: 1 << 20}
+	srv := &fasthttp.Server{Handler: reg.Handler(log, access), MaxRequestBodySize: 1 << 20}
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
@@ -272,7 +278,7 @@ func TestBootstrapConfigValidate(t *testing.T) {
 	}
 	for _, ok := range []string{"0.0.0.0:8997", "127.0.0.1:0", ":8997", "[::]:8997"} {
 		c := DefaultBootstrap()
-		c.Listen = ok
+		c.Listen, c.Insecure = ok, true // who may register: bootstrap_access_test.go
 		var p configfile.Problems
 		c.Validate(&p, "bootstrap")
 		if err := p.Err(); err != nil {
@@ -322,7 +328,7 @@ func FuzzBootstrapHandler(f *testing.F) {
 	f.Add("POST", "/register_encoder_url", []byte(strings.Repeat(`{"a":`, 100)))
 	f.Add("GET", "/list_encoder_urls", []byte(nil))
 	f.Add("PUT", "/health", []byte("x"))
-	h := bsMemRegistry(8).Handler(zap.NewNop())
+	h := bsMemRegistry(8).Handler(zap.NewNop(), BootstrapAccess{})
 	f.Fuzz(func(t *testing.T, method, path string, body []byte) {
 		var req fasthttp.Request
 		req.Header.SetMethod(method)

@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"strings"
 	"sync"
 	"time"
 )
@@ -19,7 +18,11 @@ import (
 // §1.7): a background loop per bootstrap URL POSTs
 // {bootstrap}/register_encoder_url until one answers 200, and leaving sends
 // DELETE {bootstrap}/unregister_encoder_url, so a test can grow and shrink
-// a fleet that a gateway discovers instead of configuring it.
+// a fleet that a gateway discovers instead of configuring it. The route is
+// joined onto the bootstrap URL exactly as sglang's f-string does, nothing
+// trimmed or escaped: a URL with a path (encgate's /t/<token>) keeps it,
+// and one with a trailing slash sends "//register_encoder_url", as sglang
+// would.
 
 // Bootstrap server paths the fake calls.
 const (
@@ -126,7 +129,7 @@ func (e *Encoder) isClosed() bool {
 // registerLoop registers with one bootstrap server until it answers 200,
 // the attempts run out or ctx ends.
 func (e *Encoder) registerLoop(ctx context.Context, bootstrap string, body []byte) {
-	target := strings.TrimRight(bootstrap, "/") + PathRegisterEncoder
+	target := bootstrap + PathRegisterEncoder // sglang's f"{url}/register_encoder_url", nothing trimmed
 	for attempt := 1; attempt <= e.opts.RegistrationAttempts; attempt++ {
 		if attempt > 1 {
 			t := time.NewTimer(e.opts.RegistrationInterval)
@@ -211,7 +214,7 @@ func (e *Encoder) Unregister(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			target := strings.TrimRight(b, "/") + PathUnregisterEncoder
+			target := b + PathUnregisterEncoder
 			if errs[i] = e.bootstrapCall(ctx, http.MethodDelete, target, s.body, e.opts.UnregistrationTimeout); errs[i] == nil {
 				e.mu.Lock()
 				e.stats.unregs++

@@ -337,3 +337,22 @@ func TestBindFlagsRegistrationAndCache(t *testing.T) {
 		}
 	}
 }
+
+// The route is joined onto each bootstrap URL as sglang's f-string
+// f"{url}/register_encoder_url" does: a path in the URL (encgate's
+// /t/<token>) is kept, and a trailing slash is not trimmed (sglang would
+// send "//register_encoder_url").
+func TestRegisterJoinsTheRouteAsSglangDoes(t *testing.T) {
+	b1, b2 := newBootstrap(t), newBootstrap(t)
+	opts := regOptions()
+	opts.RegisterURLs = []string{b1.srv.URL + "/t/some-token", b2.srv.URL + "/t/some-token/"}
+	e := start(t, opts)
+	b1.expectCall(t, http.MethodPost, "/t/some-token"+PathRegisterEncoder, e.URL())
+	b2.expectCall(t, http.MethodPost, "/t/some-token/"+PathRegisterEncoder, e.URL())
+	waitRegistered(t, e)
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b1.expectCall(t, http.MethodDelete, "/t/some-token"+PathUnregisterEncoder, e.URL())
+	b2.expectCall(t, http.MethodDelete, "/t/some-token/"+PathUnregisterEncoder, e.URL())
+}

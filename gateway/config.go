@@ -35,8 +35,10 @@ type Config struct {
 	Encoders []upstream.EncoderConfig `yaml:"encoders" reload:"live"`
 	// Bootstrap serves sglang's encoder bootstrap API (encoders started
 	// with --encoder-register-urls register there) on a listener of its
-	// own; off by default. It takes no token (sglang's encoders send
-	// none): expose it only inside the cluster.
+	// own; off by default. Its routes sit under /t/<token>/ with
+	// token_file, and allow_networks bounds who calls and what registers;
+	// one of the two is required, or insecure: true. A reload reads
+	// token_file's token again (the path and the rest need a restart).
 	Bootstrap discovery.BootstrapConfig `yaml:"bootstrap" reload:"restart"`
 	// Discovery finds encoders in DNS (a Kubernetes headless Service).
 	Discovery DiscoveryConfig `yaml:"discovery" reload:"restart"`

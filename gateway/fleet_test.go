@@ -29,13 +29,16 @@ import (
 )
 
 // dynamicGateway is a gateway with no static encoder, serving sglang's
-// bootstrap API on loopback. A registered encoder is probed at once and
-// joins after up_after=1 passed probe, so within one health interval.
+// bootstrap API on loopback, open (bootstrap.insecure: what these tests
+// check is not who may register; bootstrap_auth_test.go is). A registered
+// encoder is probed at once and joins after up_after=1 passed probe, so
+// within one health interval.
 func dynamicGateway(t *testing.T, mutate func(*Config)) *gw {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Bootstrap.Listen = "127.0.0.1:0"
+	cfg.Bootstrap.Insecure = true
 	cfg.Health.UpAfter = 1
 	cfg.Affinity.UnknownWait = 0
 	if mutate != nil {

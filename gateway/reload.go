@@ -30,13 +30,25 @@ func (s *Server) Reload(next Config) error {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}
+	// So is bootstrap.token_file, at the path the listener started with
+	// (bootstrap is restart-only): it takes effect with the rest below.
+	bootToken, err := s.sources.bootstrapToken(merged.Bootstrap)
+	if err != nil {
+		s.metrics.reloads.WithLabelValues("refused").Inc()
+		return err
+	}
 	// Encoders and upstream apply at once, so a reload can ask for more
 	// descriptors than the process may open: refuse it as New would.
 	if _, err := Descriptors(merged, s.fds, true); err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}
-	ch, err := s.applyFleet(&merged, func() { s.snap.Store(&merged) })
+	ch, err := s.applyFleet(&merged, func() {
+		s.snap.Store(&merged)
+		if bootToken != nil {
+			s.sources.bootToken.Store(bootToken)
+		}
+	})
 	if err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err

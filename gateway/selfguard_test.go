@@ -84,6 +84,7 @@ func TestSelfRoutingRefusedFromEverySource(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:"+p, "127.0.0.1:0"
 	cfg.Bootstrap.Listen = "127.0.0.1:0"
+	cfg.Bootstrap.Insecure = true // the self check is what is tested; the token is TestBootstrapTokenGuardsEveryRoute's
 	cfg.Health.UpAfter = 1
 	cfg.Affinity.UnknownWait = 0
 	cfg.Encoders = []upstream.EncoderConfig{{Name: "enc-0", URL: encs[0].URL()}, {Name: "enc-1", URL: encs[1].URL()}}
@@ -272,6 +273,7 @@ func TestUnresolvedNameJoinsAndIsRefusedOnceItResolves(t *testing.T) {
 	p := strconv.Itoa(port)
 	cfg := DefaultConfig()
 	cfg.Listen, cfg.AdminListen, cfg.Bootstrap.Listen = "127.0.0.1:"+p, "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Bootstrap.Insecure = true
 	g := serveGatewayResolving(t, cfg, srv)
 	boot := "http://" + g.BootstrapAddr()
 	laterURL := "http://" + strings.TrimSuffix(later, ".") + ":" + p

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"sync/atomic"
 	"time"
 
@@ -85,6 +86,10 @@ type Deps struct {
 	// Entropy is where the instance id of the hop mark (loop.go) is drawn
 	// from; nil means crypto/rand.
 	Entropy io.Reader
+	// Resolve returns the addresses of the host name of a URL registered
+	// on the bootstrap API, for bootstrap.allow_networks; nil means the
+	// system resolver (bounded by bootstrap.resolve_timeout either way).
+	Resolve func(ctx context.Context, host string) ([]netip.Addr, error)
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -156,7 +161,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = s.closeStore()
 		return nil, err
 	}
-	if s.sources, err = s.newSources(cfg); err != nil {
+	if s.sources, err = s.newSources(cfg, deps.Resolve); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -19,12 +21,13 @@ import (
 // gateway's own registration with sglang bootstrap servers, and the drain
 // checks.
 type sources struct {
-	registry  *discovery.Registry  // nil unless bootstrap.listen is set
-	boot      *fasthttp.Server     // serves the registry's API
-	bootln    net.Listener         // bootstrap.listen
-	registrar *discovery.Registrar // nil unless register_with is set
-	regStop   context.CancelFunc   // stops the registrar's Run
-	regDone   chan struct{}        // closed when it has returned
+	registry  *discovery.Registry    // nil unless bootstrap.listen is set
+	boot      *fasthttp.Server       // serves the registry's API
+	bootln    net.Listener           // bootstrap.listen
+	bootToken atomic.Pointer[string] // bootstrap.token_file's token as last read; nil without one
+	registrar *discovery.Registrar   // nil unless register_with is set
+	regStop   context.CancelFunc     // stops the registrar's Run
+	regDone   chan struct{}          // closed when it has returned
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -32,19 +35,33 @@ type sources struct {
 
 // newSources builds the registry (shared through Redis when the /send store
 // is Redis, so that every replica serves the same fleet), the DNS source and
-// the registrar. Nothing runs until start; the error is a password_file
-// that cannot be read.
-func (s *Server) newSources(cfg Config) (*sources, error) {
+// the registrar. Nothing runs until start; the error is a
+// bootstrap.token_file that cannot be read.
+func (s *Server) newSources(cfg Config, resolve func(context.Context, string) ([]netip.Addr, error)) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
+		if err := src.readBootstrapToken(cfg.Bootstrap); err != nil {
+			return nil, err
+		}
 		store := discovery.NewMemoryStore(s.clk)
 		if s.kv != nil {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
 		}
-		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"))
+		log := s.log.Named("bootstrap")
+		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, log)
 		src.registry.SetSelfCheck(s.registrationSelfCheck)
+		access := discovery.BootstrapAccess{
+			Networks:       cfg.Bootstrap.Networks(),
+			Resolve:        resolve,
+			ResolveTimeout: cfg.Bootstrap.ResolveTimeout.D(),
+			Quiet:          sampled(log, s.clk), // any caller can be refused at any rate
+			Registry:       s.reg,
+		}
+		if cfg.Bootstrap.TokenFile != "" {
+			access.Token = func() string { return *src.bootToken.Load() }
+		}
 		src.boot = &fasthttp.Server{
-			Handler:               src.registry.Handler(s.log.Named("bootstrap")),
+			Handler:               src.registry.Handler(log, access),
 			Name:                  "encgate-bootstrap",
 			NoDefaultServerHeader: true,
 			MaxRequestBodySize:    int(cfg.Bootstrap.MaxBodyBytes),
@@ -64,6 +81,29 @@ func (s *Server) newSources(cfg Config) (*sources, error) {
 	return src, nil
 }
 
+// readBootstrapToken reads b.TokenFile into bootToken (nothing without
+// one). Its error names the field path.
+func (src *sources) readBootstrapToken(b discovery.BootstrapConfig) error {
+	t, err := src.bootstrapToken(b)
+	if err == nil && t != nil {
+		src.bootToken.Store(t)
+	}
+	return err
+}
+
+// bootstrapToken reads b.TokenFile; nil without one or without a bootstrap
+// listener.
+func (src *sources) bootstrapToken(b discovery.BootstrapConfig) (*string, error) {
+	if b.Listen == "" || b.TokenFile == "" {
+		return nil, nil
+	}
+	t, err := discovery.ReadBootstrapToken(b.TokenFile)
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap.token_file: %w", err)
+	}
+	return &t, nil
+}
+
 // start listens on bootstrap.listen and starts every source.
 func (s *Server) startSources(cfg Config) error {
 	src := s.sources
@@ -73,6 +113,13 @@ func (s *Server) startSources(cfg Config) error {
 			return fmt.Errorf("bootstrap.listen: %w", err)
 		}
 		src.bootln = ln
+		b := cfg.Bootstrap
+		s.log.Info("bootstrap listening", zap.String("bootstrap_listen", ln.Addr().String()),
+			zap.Bool("token", b.TokenFile != ""), zap.Strings("allow_networks", b.AllowNetworks))
+		if b.Insecure {
+			s.log.Warn("bootstrap.insecure is true: anyone who can reach bootstrap.listen may register an encoder and so receive users' images",
+				zap.String("bootstrap_listen", ln.Addr().String()))
+		}
 	}
 	// Every listener is bound: the self check learns their ports before
 	// any source can add an encoder.
