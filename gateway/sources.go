@@ -41,7 +41,8 @@ func (s *Server) newSources(cfg Config) (*sources, error) {
 		if s.kv != nil {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
 		}
-		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"))
+		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"),
+			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
 		src.boot = &fasthttp.Server{
 			Handler:               src.registry.Handler(s.log.Named("bootstrap")),
 			Name:                  "encgate-bootstrap",
@@ -61,6 +62,15 @@ func (s *Server) newSources(cfg Config) (*sources, error) {
 			Log: s.log.Named("registrar"), Registry: s.reg, Clock: s.clk})
 	}
 	return src, nil
+}
+
+// roomWindow is how long a registered encoder has to pass its first health
+// checks before a full registry may give its place to a new registration,
+// and how long one that passed may go without passing again: up_after
+// probes one interval apart (the first at once), one interval for the
+// refresh that records the pass (refreshRegistrations), and one to spare.
+func roomWindow(h upstream.HealthConfig) time.Duration {
+	return time.Duration(h.UpAfter+2) * h.Interval.D()
 }
 
 // start listens on bootstrap.listen and starts every source.
@@ -124,6 +134,9 @@ func (s *Server) startSources(cfg Config) error {
 // refreshRegistrations extends, every interval, the registrations of the
 // registered encoders that pass their health checks: one that crashed
 // without unregistering leaves once bootstrap.ttl passes without a refresh.
+// The refresh is also how the registry learns which of them pass (the
+// store records it, shared by every replica with Redis): a full registry
+// makes room by evicting one that has not passed for roomWindow.
 func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) {
 	for {
 		t := s.clk.NewTimer(every)
