@@ -374,9 +374,9 @@ func (m *memoryStore) Add(_ context.Context, url string, ttl time.Duration, room
 	defer m.mu.Unlock()
 	now := m.clk.Now()
 	m.sweep(now)
-	defer m.signal()
 	if e, ok := m.live[url]; ok {
 		e.exp = now.Add(ttl)
+		m.signal()
 		return AddResult{}, nil
 	}
 	var res AddResult
@@ -390,6 +390,7 @@ func (m *memoryStore) Add(_ context.Context, url string, ttl time.Duration, room
 	}
 	delete(m.gone, url)
 	m.live[url] = &memEntry{exp: now.Add(ttl), registered: now}
+	m.signal()
 	return res, nil
 }
 
@@ -441,7 +442,6 @@ func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duratio
 	defer m.mu.Unlock()
 	now := m.clk.Now()
 	m.sweep(now)
-	defer m.signal()
 	exp := now.Add(ttl)
 	out := make([]RefreshOutcome, len(urls))
 	for i, u := range urls {
@@ -463,6 +463,12 @@ func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duratio
 		}
 		m.live[u] = &memEntry{exp: exp, registered: now, passed: now}
 		out[i] = RefreshReasserted
+	}
+	for _, o := range out {
+		if o == RefreshExtended || o == RefreshReasserted {
+			m.signal()
+			break
+		}
 	}
 	return out, nil
 }
