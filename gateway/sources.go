@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -20,6 +21,7 @@ import (
 // checks.
 type sources struct {
 	registry  *discovery.Registry  // nil unless bootstrap.listen is set
+	state     *discovery.StateFile // nil unless bootstrap.state_file is set
 	boot      *fasthttp.Server     // serves the registry's API
 	bootln    net.Listener         // bootstrap.listen
 	registrar *discovery.Registrar // nil unless register_with is set
@@ -32,14 +34,20 @@ type sources struct {
 
 // newSources builds the registry (shared through Redis when the /send store
 // is Redis, so that every replica serves the same fleet), the DNS source and
-// the registrar. Nothing runs until start; the error is a password_file
-// that cannot be read.
+// the registrar, and reads bootstrap.state_file into the memory store.
+// Nothing runs until start; the error is a state file that cannot be read.
 func (s *Server) newSources(cfg Config) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		store := discovery.NewMemoryStore(s.clk)
 		if s.kv != nil {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
+		} else if cfg.Bootstrap.StateFile != "" {
+			st, err := discovery.OpenStateFile(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"), s.reg)
+			if err != nil {
+				return nil, err
+			}
+			src.state = st
 		}
 		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"),
 			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
@@ -110,6 +118,9 @@ func (s *Server) startSources(cfg Config) error {
 			src.registry.Run(ctx, every, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceRegistered, ms) })
 		})
 		run("registration refresh", func() { s.refreshRegistrations(ctx, every) })
+		if src.state != nil {
+			run("bootstrap state file", func() { src.state.Run(ctx) })
+		}
 	}
 	if len(cfg.Discovery.DNS) > 0 {
 		d := discovery.NewDNS(cfg.Discovery.DNS, discovery.DNSDeps{Log: s.log.Named("discovery"), Registry: s.reg, Clock: s.clk})
@@ -179,7 +190,8 @@ func (s *Server) unregisterSelf(ctx context.Context) {
 	s.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", s.conf().RegisterWith))
 }
 
-// stopSources stops every source and the bootstrap listener.
+// stopSources stops every source and the bootstrap listener, then writes
+// bootstrap.state_file a last time, after the registry's last change.
 func (s *Server) stopSources(ctx context.Context) error {
 	src := s.sources
 	if src.cancel != nil {
@@ -190,6 +202,14 @@ func (s *Server) stopSources(ctx context.Context) error {
 		err = src.boot.ShutdownWithContext(ctx)
 	}
 	src.wg.Wait()
+	if src.state != nil {
+		if serr := src.state.Save(); serr != nil {
+			s.log.Error("writing the registrations at shutdown failed", zap.Error(serr))
+			err = errors.Join(err, serr)
+		} else {
+			s.log.Info("registrations written to bootstrap.state_file", zap.String("state_file", s.conf().Bootstrap.StateFile))
+		}
+	}
 	return err
 }
 
