@@ -24,6 +24,7 @@ type gatewayProc struct {
 	cmd    *exec.Cmd
 	base   string // encoder-facing listener, http://host:port
 	admin  string // admin listener, http://host:port
+	boot   string // bootstrap listener, http://host:port ("" when off)
 	exited chan struct{}
 
 	mu    sync.Mutex
@@ -52,7 +53,7 @@ func runGatewayProc(t *testing.T, cmd *exec.Cmd) *gatewayProc {
 		t.Fatal(err)
 	}
 	p := &gatewayProc{cmd: cmd, exited: make(chan struct{})}
-	listening := make(chan [2]string, 1)
+	listening := make(chan [3]string, 1)
 	go func() {
 		defer close(p.exited)
 		sc := bufio.NewScanner(stderr)
@@ -62,12 +63,13 @@ func runGatewayProc(t *testing.T, cmd *exec.Cmd) *gatewayProc {
 			p.lines = append(p.lines, sc.Text())
 			p.mu.Unlock()
 			var line struct {
-				Msg         string `json:"msg"`
-				Listen      string `json:"listen"`
-				AdminListen string `json:"admin_listen"`
+				Msg             string `json:"msg"`
+				Listen          string `json:"listen"`
+				AdminListen     string `json:"admin_listen"`
+				BootstrapListen string `json:"bootstrap_listen"`
 			}
 			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "gateway listening" {
-				listening <- [2]string{line.Listen, line.AdminListen}
+				listening <- [3]string{line.Listen, line.AdminListen, line.BootstrapListen}
 			}
 		}
 		_, _ = io.Copy(io.Discard, stderr)
@@ -90,6 +92,9 @@ func runGatewayProc(t *testing.T, cmd *exec.Cmd) *gatewayProc {
 	select {
 	case addrs := <-listening:
 		p.base, p.admin = "http://"+addrs[0], "http://"+addrs[1]
+		if addrs[2] != "" {
+			p.boot = "http://" + addrs[2]
+		}
 		return p
 	case <-p.exited:
 		t.Fatalf("gateway process exited before listening:\n%s", p.log())

@@ -3,7 +3,11 @@ package discovery
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io/fs"
 	"net"
+	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -66,6 +70,21 @@ type BootstrapConfig struct {
 	// registered, for the AllowNetworks check (default 2s, at most 5s:
 	// sglang's registration call gives up after 5 s).
 	ResolveTimeout configfile.Duration `yaml:"resolve_timeout"`
+
+	// Registrations across restarts (the memory store; Redis keeps them
+	// itself).
+
+	// StateFile, when set, is where the memory store's registrations are
+	// kept, so that a restarted gateway serves the encoders registered
+	// with the one before (sglang's encoders register only once). It is
+	// written atomically on change (at most once per StateWriteInterval)
+	// and at shutdown, and read at start (see StateFile). Its directory
+	// must exist and be writable. Empty (the default): off.
+	StateFile string `yaml:"state_file"`
+	// StateWriteInterval is the least time between two writes of
+	// StateFile (default 1s): a crash loses at most the changes of the
+	// last interval. Below TTL.
+	StateWriteInterval configfile.Duration `yaml:"state_write_interval"`
 }
 
 // DefaultBootstrap returns the bootstrap defaults: off, 1024 encoders, a
@@ -78,6 +97,8 @@ func DefaultBootstrap() BootstrapConfig {
 		// Empty, not nil: what `allow_networks: []` decodes to.
 		AllowNetworks:  []string{},
 		ResolveTimeout: configfile.Duration(2 * time.Second),
+
+		StateWriteInterval: configfile.Duration(time.Second),
 	}
 }
 
@@ -104,6 +125,59 @@ func (c BootstrapConfig) Validate(p *configfile.Problems, path string) {
 		p.Addf(path+".max_body_bytes", "must be >= %d, got %d", minBootstrapBody, int64(c.MaxBodyBytes))
 	}
 	c.validateAccess(p, path)
+	c.validateState(p, path)
+}
+
+// validateState checks state_file and state_write_interval. It looks at
+// the file system: state_file's directory must exist and take a new file
+// (one is made and removed), and state_file, if it exists, must be a
+// regular file.
+func (c BootstrapConfig) validateState(p *configfile.Problems, path string) {
+	if w := c.StateWriteInterval.D(); w <= 0 || w >= c.TTL.D() {
+		p.Addf(path+".state_write_interval", "must be above 0 and below ttl (%s): a crash loses the changes of the last interval, got %s", c.TTL, c.StateWriteInterval)
+	}
+	if c.StateFile == "" {
+		return
+	}
+	if c.Listen == "" {
+		p.Addf(path+".state_file", "is set but listen is empty: with the bootstrap API off there are no registrations to keep")
+		return
+	}
+	if err := checkStateFile(c.StateFile); err != nil {
+		p.Addf(path+".state_file", "%v", err)
+	}
+}
+
+// pathProblem is err without the operation and path an *fs.PathError
+// adds, which the message around it says.
+func pathProblem(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
+}
+
+// checkStateFile says what keeps path from being a state file: a directory
+// that does not exist or does not take a new file, or a path that exists
+// and is not a regular file.
+func checkStateFile(path string) error {
+	dir := filepath.Dir(path)
+	if fi, err := os.Stat(dir); err != nil {
+		return fmt.Errorf("directory %s: %w", dir, pathProblem(err))
+	} else if !fi.IsDir() {
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	if fi, err := os.Stat(path); err == nil && !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s exists and is not a regular file", path)
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".check-*")
+	if err != nil {
+		return fmt.Errorf("directory %s is not writable: %w", dir, pathProblem(err))
+	}
+	_ = f.Close()
+	_ = os.Remove(f.Name())
+	return nil
 }
 
 // Bootstrap API routes, as sglang's EncoderBootstrapServer serves them.

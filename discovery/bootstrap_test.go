@@ -235,7 +235,9 @@ func TestBootstrapHandlerLogs(t *testing.T) {
 // regFailingStore fails every call, as a store whose backend is down does.
 type regFailingStore struct{ err error }
 
-func (f regFailingStore) Add(context.Context, string, time.Duration, int) error { return f.err }
+func (f regFailingStore) Add(context.Context, string, time.Duration, Room) (AddResult, error) {
+	return AddResult{}, f.err
+}
 func (f regFailingStore) Refresh(context.Context, []string, time.Duration, int) ([]RefreshOutcome, error) {
 	return nil, f.err
 }

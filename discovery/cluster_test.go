@@ -7,9 +7,9 @@ import (
 )
 
 // The registry on a real Redis Cluster (three masters made by redis-cli
-// --cluster create): every script touches the one key of its prefix, so it
-// runs on the node of that key's slot, and the registries agree as on one
-// server. One cluster serves every subtest, each on flushed nodes.
+// --cluster create): every script touches the keys of its prefix, the set
+// and its health facts, which share one slot (sameSlotKey), so it runs on
+// the node of that slot, and the registries agree as on one server. One cluster serves every subtest, each on flushed nodes.
 func TestRegistryRedisOnCluster(t *testing.T) {
 	c := redistest.StartCluster(t)
 	for _, tc := range []struct {
@@ -22,6 +22,7 @@ func TestRegistryRedisOnCluster(t *testing.T) {
 		{"TTL", testRegistryTTL},
 		{"RefreshRacesUnregister", testRegistryRefreshRacesUnregister},
 		{"ClockSkew", testRegistryClockSkew},
+		{"Room", testRegistryRoomRedis},
 	} {
 		t.Run(tc.name, func(t *testing.T) { tc.f(t, regCluster(t, c)) })
 	}

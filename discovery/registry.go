@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
@@ -22,12 +23,56 @@ import (
 // the bootstrap API.
 const SourceRegistered = "registered"
 
-// ErrFull is returned by Register (and Store.Add) when a new URL would take
-// the registry past bootstrap.max_encoders. It bounds what unauthenticated
-// callers of the bootstrap API can make the gateway hold and health-check;
-// the handler answers it with a 503 and Retry-After, and sglang's encoder
-// retries every 5 s, so it gets in once another encoder leaves.
+// ErrFull is matched (errors.Is) by the error Register (and Store.Add)
+// returns when a new URL would take the registry past
+// bootstrap.max_encoders and no registration may make room for it (see
+// Room). It bounds what unauthenticated callers of the bootstrap API can
+// make the gateway hold and health-check; the handler answers it with a 503
+// and Retry-After, and sglang's encoder retries every 5 s, so it gets in
+// once another encoder leaves or fails its health checks. The error itself
+// is a *FullError, which says why.
 var ErrFull = errors.New("bootstrap.max_encoders encoders are registered")
+
+// FullError is a refusal at bootstrap.max_encoders: every registration is
+// either passing its health checks or still within its grace (Room.Window)
+// to pass them.
+type FullError struct {
+	Max int
+	// Unchecked counts the registrations that have not passed a health
+	// check yet and are still within their grace (the store's count; with
+	// Redis, approximate while older replicas share the set).
+	Unchecked int
+	// Window is Room.Window; 0 when the registry makes no room.
+	Window time.Duration
+}
+
+func (e *FullError) Error() string {
+	switch {
+	case e.Window <= 0:
+		return fmt.Sprintf("%v (%d); one can register once another unregisters or expires", ErrFull, e.Max)
+	case e.Unchecked == 0:
+		return fmt.Sprintf("bootstrap.max_encoders %d registered encoders, all passing health checks; "+
+			"one can register once another unregisters, or fails its health checks for %s", e.Max, e.Window)
+	default:
+		return fmt.Sprintf("bootstrap.max_encoders %d registered encoders: %d registered less than %s ago "+
+			"and not yet through their health checks, the others passing them; retry", e.Max, e.Unchecked, e.Window)
+	}
+}
+
+// Is makes errors.Is(err, ErrFull) true.
+func (e *FullError) Is(target error) bool { return target == ErrFull }
+
+// reason is the refusal's label on encgate_bootstrap_registrations_refused_total.
+func (e *FullError) reason() string {
+	switch {
+	case e.Window <= 0:
+		return "full"
+	case e.Unchecked == 0:
+		return "full_all_passing"
+	default:
+		return "full_unchecked"
+	}
+}
 
 // ErrInvalidURL is matched (errors.Is) by every error ParseEncoderURL
 // returns, so callers can tell a caller's mistake (a 400) from a store
@@ -164,18 +209,30 @@ func normaliseEncoderHost(u *url.URL) (host, problem string) {
 // until its own expiry) or unknown. The tombstone is what lets a replica
 // re-assert the registrations a store lost (a Redis restarted empty) without
 // bringing back one that an encoder took back meanwhile on another replica.
+//
+// Beside its expiry a live URL has two health facts, on the store's clock:
+// when it was registered (a registration of a URL that is live already
+// leaves it as it was) and when it last passed a health check, which is
+// when it was last refreshed: the gateway refreshes only registered
+// encoders that pass their checks, so Refresh is the health signal, and
+// with Redis whichever replica saw the encoder pass writes it. Add uses
+// them to make room (Room).
 type Store interface {
 	// Add registers url for ttl, or moves its expiry to now+ttl when it is
-	// live already, and clears its tombstone. A url that is not live is
-	// refused with ErrFull while max URLs are live. The check and the add
-	// are one step, so two replicas cannot both pass the bound.
-	Add(ctx context.Context, url string, ttl time.Duration, max int) error
+	// live already, and clears its tombstone. A url that is not live while
+	// room.Max URLs are live takes the place of the first victim in
+	// room's order, which leaves as if unregistered (a tombstone for ttl,
+	// bounded as Remove's); with no victim it is refused with a *FullError.
+	// The check and the add are one step, so two replicas cannot both pass
+	// the bound.
+	Add(ctx context.Context, url string, ttl time.Duration, room Room) (AddResult, error)
 	// Refresh moves the expiry of each of urls that is live to now+ttl
 	// (RefreshExtended) and stores again, for ttl, each that the store
 	// lacks (RefreshReasserted), unless it has a tombstone
 	// (RefreshUnregistered) or max URLs are live (RefreshFull). Each URL is
 	// checked and written in one step with the others, so a refresh racing
 	// an unregistration on another replica cannot bring the URL back.
+	// Every URL extended or stored again has passed a health check now.
 	// It returns one outcome per url, in order.
 	Refresh(ctx context.Context, urls []string, ttl time.Duration, max int) ([]RefreshOutcome, error)
 	// Remove unregisters url: it is no longer live, and a tombstone keeps
@@ -186,6 +243,54 @@ type Store interface {
 	// List returns the live URLs, each with its time left, and the URLs
 	// with a tombstone.
 	List(ctx context.Context) (Listing, error)
+}
+
+// Room is how Store.Add makes room at the bound: which live registration,
+// if any, a new URL may take the place of. Victims, first to last:
+//
+//  1. registrations that have never passed a health check and were
+//     registered at least Window ago, the oldest registration first;
+//  2. registrations whose last passed check is at least Window old, the
+//     oldest first (the one failing longest).
+//
+// Ties go to the smaller URL. A registration that passed a check less than
+// Window ago is never a victim, and neither is one registered less than
+// Window ago that has not passed one yet: that is its grace to pass its
+// first checks, so a new registration cannot be pushed out by the next one
+// before it had the chance to show it is alive. A URL that registers again
+// while live keeps its registration time, so re-registering does not renew
+// the grace; one that was evicted and registers again is new, and has to
+// wait for a victim like any other.
+type Room struct {
+	Max    int           // the most live registrations
+	Window time.Duration // the grace and the staleness above; <= 0: make no room, refuse
+}
+
+// AddResult is what Store.Add did besides storing the URL.
+type AddResult struct {
+	Evicted string      // the registration that made room; "" when none had to
+	Reason  EvictReason // why it was the victim
+}
+
+// EvictReason says why a registration made room: Room's two kinds of victim.
+type EvictReason uint8
+
+const (
+	// EvictNeverPassed: it never passed a health check within its grace.
+	EvictNeverPassed EvictReason = iota + 1
+	// EvictFailing: it had not passed a health check for Room.Window.
+	EvictFailing
+)
+
+// String is the reason's label on encgate_bootstrap_evictions_total.
+func (r EvictReason) String() string {
+	switch r {
+	case EvictNeverPassed:
+		return "never_passed"
+	case EvictFailing:
+		return "failing"
+	}
+	return "none"
 }
 
 // RefreshOutcome is what Store.Refresh did with one URL.
@@ -217,23 +322,43 @@ type Lease struct {
 }
 
 // NewMemoryStore returns a Store that keeps registrations in this process,
-// for a gateway without replicas; clk decides expiry.
+// for a gateway without replicas; clk decides expiry. A StateFile can keep
+// them across restarts.
 func NewMemoryStore(clk clock.Clock) Store {
-	return &memoryStore{clk: clk, live: make(map[string]time.Time), gone: make(map[string]time.Time)}
+	return &memoryStore{clk: clk, live: make(map[string]*memEntry), gone: make(map[string]time.Time),
+		changed: make(chan struct{}, 1)}
 }
 
 // memoryStore is the in-process Store.
 type memoryStore struct {
 	clk  clock.Clock
 	mu   sync.Mutex           // protects live and gone
-	live map[string]time.Time // url -> expiry
+	live map[string]*memEntry // url -> its registration
 	gone map[string]time.Time // url -> its tombstone's expiry
+	// changed is signalled (never blocking; capacity 1) after every write,
+	// for a StateFile.
+	changed chan struct{}
+}
+
+// memEntry is one live registration of the memory store.
+type memEntry struct {
+	exp        time.Time // its expiry
+	registered time.Time // when it was registered (not moved by registering again)
+	passed     time.Time // when it last passed a health check (was refreshed); zero: never
+}
+
+// signal notes a write, for a StateFile.
+func (m *memoryStore) signal() {
+	select {
+	case m.changed <- struct{}{}:
+	default:
+	}
 }
 
 // sweep drops expired registrations and tombstones; m.mu is held.
 func (m *memoryStore) sweep(now time.Time) {
-	for u, exp := range m.live {
-		if !exp.After(now) {
+	for u, e := range m.live {
+		if !e.exp.After(now) {
 			delete(m.live, u)
 		}
 	}
@@ -244,17 +369,72 @@ func (m *memoryStore) sweep(now time.Time) {
 	}
 }
 
-func (m *memoryStore) Add(_ context.Context, url string, ttl time.Duration, max int) error {
+func (m *memoryStore) Add(_ context.Context, url string, ttl time.Duration, room Room) (AddResult, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.clk.Now()
 	m.sweep(now)
-	if _, ok := m.live[url]; !ok && len(m.live) >= max {
-		return ErrFull
+	if e, ok := m.live[url]; ok {
+		e.exp = now.Add(ttl)
+		m.signal()
+		return AddResult{}, nil
+	}
+	var res AddResult
+	if len(m.live) >= room.Max {
+		victim, reason, unchecked := m.victim(now, room)
+		if victim == "" {
+			return AddResult{}, &FullError{Max: room.Max, Unchecked: unchecked, Window: max(room.Window, 0)}
+		}
+		m.tomb(victim, now, ttl, room.Max)
+		res = AddResult{Evicted: victim, Reason: reason}
 	}
 	delete(m.gone, url)
-	m.live[url] = now.Add(ttl)
-	return nil
+	m.live[url] = &memEntry{exp: now.Add(ttl), registered: now}
+	m.signal()
+	return res, nil
+}
+
+// victim returns the registration that makes room at now, by room's order,
+// or "" and the number of registrations still in their grace; m.mu is
+// held.
+func (m *memoryStore) victim(now time.Time, room Room) (victim string, reason EvictReason, unchecked int) {
+	if room.Window <= 0 {
+		return "", 0, 0
+	}
+	cut := now.Add(-room.Window)
+	var at time.Time // the victim's registration (never passed) or last pass
+	for u, e := range m.live {
+		r, t := EvictFailing, e.passed
+		if e.passed.IsZero() {
+			r, t = EvictNeverPassed, e.registered
+		}
+		if t.After(cut) {
+			if r == EvictNeverPassed {
+				unchecked++
+			}
+			continue
+		}
+		if victim == "" || r < reason || r == reason && (t.Before(at) || t.Equal(at) && u < victim) {
+			victim, reason, at = u, r, t
+		}
+	}
+	return victim, reason, unchecked
+}
+
+// tomb replaces url's registration, if any, by a tombstone until now+ttl,
+// keeping at most max tombstones; m.mu is held.
+func (m *memoryStore) tomb(url string, now time.Time, ttl time.Duration, max int) {
+	delete(m.live, url)
+	if _, ok := m.gone[url]; !ok && len(m.gone) >= max {
+		first := ""
+		for u, exp := range m.gone {
+			if first == "" || exp.Before(m.gone[first]) {
+				first = u
+			}
+		}
+		delete(m.gone, first)
+	}
+	m.gone[url] = now.Add(ttl)
 }
 
 func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duration, max int) ([]RefreshOutcome, error) {
@@ -269,10 +449,11 @@ func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duratio
 			out[i] = RefreshUnregistered
 			continue
 		}
-		if cur, ok := m.live[u]; ok {
-			if cur.Before(exp) {
-				m.live[u] = exp
+		if e, ok := m.live[u]; ok {
+			if e.exp.Before(exp) {
+				e.exp = exp
 			}
+			e.passed = now
 			out[i] = RefreshExtended
 			continue
 		}
@@ -280,8 +461,14 @@ func (m *memoryStore) Refresh(_ context.Context, urls []string, ttl time.Duratio
 			out[i] = RefreshFull
 			continue
 		}
-		m.live[u] = exp
+		m.live[u] = &memEntry{exp: exp, registered: now, passed: now}
 		out[i] = RefreshReasserted
+	}
+	for _, o := range out {
+		if o == RefreshExtended || o == RefreshReasserted {
+			m.signal()
+			break
+		}
 	}
 	return out, nil
 }
@@ -291,17 +478,8 @@ func (m *memoryStore) Remove(_ context.Context, url string, ttl time.Duration, m
 	defer m.mu.Unlock()
 	now := m.clk.Now()
 	m.sweep(now)
-	delete(m.live, url)
-	if _, ok := m.gone[url]; !ok && len(m.gone) >= max {
-		first := ""
-		for u, exp := range m.gone {
-			if first == "" || exp.Before(m.gone[first]) {
-				first = u
-			}
-		}
-		delete(m.gone, first)
-	}
-	m.gone[url] = now.Add(ttl)
+	m.tomb(url, now, ttl, max)
+	m.signal()
 	return nil
 }
 
@@ -310,9 +488,9 @@ func (m *memoryStore) List(context.Context) (Listing, error) {
 	defer m.mu.Unlock()
 	now := m.clk.Now()
 	var l Listing
-	for u, exp := range m.live {
-		if exp.After(now) {
-			l.Live = append(l.Live, Lease{URL: u, Left: exp.Sub(now)})
+	for u, e := range m.live {
+		if e.exp.After(now) {
+			l.Live = append(l.Live, Lease{URL: u, Left: e.exp.Sub(now)})
 		}
 	}
 	for u, exp := range m.gone {
@@ -350,6 +528,9 @@ type Registry struct {
 	store Store
 	clk   clock.Clock
 	log   *zap.Logger
+	// window is Room.Window: 0 (no WithRoom) makes no room at the bound.
+	window time.Duration
+	m      registryMetrics
 	// changed is signalled (never blocking; capacity 1) after a local
 	// Register or Unregister, or when Refresh learns of an unregistration,
 	// so Run recomputes the set at once instead of at its next poll.
@@ -366,19 +547,71 @@ type Registry struct {
 // NewRegistry returns a Registry over store. cfg supplies MaxEncoders and
 // TTL (of registrations and of tombstones); clk measures how long a
 // registration has left and times Run; log receives Run's and Refresh's
-// store problems.
-func NewRegistry(cfg BootstrapConfig, store Store, clk clock.Clock, log *zap.Logger) *Registry {
-	return &Registry{cfg: cfg, store: store, clk: clk, log: log,
+// store problems. Without WithRoom a full registry refuses every new URL.
+func NewRegistry(cfg BootstrapConfig, store Store, clk clock.Clock, log *zap.Logger, opts ...RegistryOption) *Registry {
+	r := &Registry{cfg: cfg, store: store, clk: clk, log: log,
 		changed: make(chan struct{}, 1), view: make(map[string]time.Time)}
+	for _, o := range opts {
+		o(r)
+	}
+	return r
+}
+
+// RegistryOption configures NewRegistry.
+type RegistryOption func(*Registry)
+
+// WithRoom lets a full registry make room for a new registration (Room),
+// with window as both the grace of a new registration and how long a
+// registration that passed may go without passing again. The gateway
+// derives it from its health checks: (health.up_after + 2) ×
+// health.interval, time for a new encoder to pass its first checks and be
+// refreshed, with an interval to spare.
+func WithRoom(window time.Duration) RegistryOption {
+	return func(r *Registry) { r.window = window }
+}
+
+// WithMetrics registers the registry's collectors on reg:
+// encgate_bootstrap_evictions_total{reason} and
+// encgate_bootstrap_registrations_refused_total{reason}.
+func WithMetrics(reg prometheus.Registerer) RegistryOption {
+	return func(r *Registry) { r.m = newRegistryMetrics(reg) }
+}
+
+// registryMetrics are the registry's collectors; nil ones count nothing.
+type registryMetrics struct {
+	evictions *prometheus.CounterVec
+	refused   *prometheus.CounterVec
+}
+
+func newRegistryMetrics(reg prometheus.Registerer) registryMetrics {
+	m := registryMetrics{
+		evictions: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_bootstrap_evictions_total",
+			Help: "Registrations that made room at bootstrap.max_encoders for a new one, by reason: never_passed (no health check passed within its grace) or failing (none passed for the window).",
+		}, []string{"reason"})),
+		refused: registerOrReuse(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_bootstrap_registrations_refused_total",
+			Help: "Registrations of a new URL refused (503) at bootstrap.max_encoders, by reason: full_all_passing (every registered encoder passes its health checks) or full_unchecked (some are still within their grace to pass them).",
+		}, []string{"reason"})),
+	}
+	for _, r := range []EvictReason{EvictNeverPassed, EvictFailing} {
+		m.evictions.WithLabelValues(r.String())
+	}
+	for _, r := range []string{"full_all_passing", "full_unchecked"} {
+		m.refused.WithLabelValues(r)
+	}
+	return m
 }
 
 // Register validates rawURL and stores its normalised form for TTL.
 // Re-registering a URL that is stored already refreshes it and does not
-// count against the bound; a new one beyond MaxEncoders gets ErrFull. A
-// URL that was unregistered can register again at once. An invalid URL gets
-// an error matching ErrInvalidURL, and so does a URL the SelfCheck says is
-// the gateway itself (matching ErrSelf too; nothing is stored); any other
-// error is the store's.
+// count against the bound. A new one at MaxEncoders takes the place of a
+// registration that is not passing its health checks (Room, with
+// WithRoom), which leaves as if unregistered; with none, it gets an error
+// matching ErrFull (a *FullError). A URL that was unregistered can register
+// again at once. An invalid URL gets an error matching ErrInvalidURL, and so
+// does a URL the SelfCheck says is the gateway itself (matching ErrSelf too;
+// nothing is stored); any other error is the store's.
 func (r *Registry) Register(ctx context.Context, rawURL string) error {
 	_, err := r.register(ctx, rawURL)
 	return err
@@ -394,15 +627,27 @@ func (r *Registry) register(ctx context.Context, rawURL string) (string, error) 
 		return u, err
 	}
 	start := r.clk.Now()
-	if err := r.store.Add(ctx, u, r.cfg.TTL.D(), r.cfg.MaxEncoders); err != nil {
-		if errors.Is(err, ErrFull) {
-			return u, fmt.Errorf("%w (%d); one can register once another unregisters or expires", ErrFull, r.cfg.MaxEncoders)
+	res, err := r.store.Add(ctx, u, r.cfg.TTL.D(), Room{Max: r.cfg.MaxEncoders, Window: r.window})
+	if err != nil {
+		var full *FullError
+		if errors.As(err, &full) && r.m.refused != nil {
+			r.m.refused.WithLabelValues(full.reason()).Inc()
 		}
 		return u, err
 	}
 	r.mu.Lock()
 	r.view[u] = start.Add(r.cfg.TTL.D())
+	if res.Evicted != "" {
+		delete(r.view, res.Evicted)
+	}
 	r.mu.Unlock()
+	if res.Evicted != "" {
+		if r.m.evictions != nil {
+			r.m.evictions.WithLabelValues(res.Reason.String()).Inc()
+		}
+		r.log.Info("registration evicted to make room at bootstrap.max_encoders", zap.String("evicted", res.Evicted),
+			zap.String("reason", res.Reason.String()), zap.String("for", u), zap.Int("max_encoders", r.cfg.MaxEncoders))
+	}
 	r.signal()
 	return u, nil
 }

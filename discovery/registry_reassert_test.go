@@ -49,12 +49,12 @@ func (s *regLossyStore) get() (Store, error) {
 	return s.inner, nil
 }
 
-func (s *regLossyStore) Add(ctx context.Context, url string, ttl time.Duration, max int) error {
+func (s *regLossyStore) Add(ctx context.Context, url string, ttl time.Duration, room Room) (AddResult, error) {
 	st, err := s.get()
 	if err != nil {
-		return err
+		return AddResult{}, err
 	}
-	return st.Add(ctx, url, ttl, max)
+	return st.Add(ctx, url, ttl, room)
 }
 
 func (s *regLossyStore) Refresh(ctx context.Context, urls []string, ttl time.Duration, max int) ([]RefreshOutcome, error) {

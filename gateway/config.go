@@ -393,6 +393,9 @@ func (c Config) Validate() error {
 	c.Idempotency.Validate(&p, "idempotency")
 	if c.usesRedis() {
 		c.Redis.Validate(&p, "redis")
+		if c.Bootstrap.StateFile != "" {
+			p.Addf("bootstrap.state_file", "is for the memory store: with idempotency.store: redis the registrations live in Redis, which keeps them across gateway restarts")
+		}
 	}
 	if c.Limits.MaxBodyBytes < 1024 {
 		p.Addf("limits.max_body_bytes", "must be >= 1KiB, got %s", c.Limits.MaxBodyBytes)

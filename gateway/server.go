@@ -286,8 +286,8 @@ func (s *Server) Start() error {
 	}()
 	s.ready.Store(true)
 	s.log.Info("gateway listening", zap.String("listen", ln.Addr().String()),
-		zap.String("admin_listen", adln.Addr().String()), zap.Int("encoders", len(cfg.Encoders)),
-		zap.String("via", string(s.loop.entry)))
+		zap.String("admin_listen", adln.Addr().String()), zap.String("bootstrap_listen", s.BootstrapAddr()),
+		zap.Int("encoders", len(cfg.Encoders)), zap.String("via", string(s.loop.entry)))
 	return nil
 }
 

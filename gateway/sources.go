@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -22,6 +23,7 @@ import (
 // checks.
 type sources struct {
 	registry  *discovery.Registry    // nil unless bootstrap.listen is set
+	state     *discovery.StateFile   // nil unless bootstrap.state_file is set
 	boot      *fasthttp.Server       // serves the registry's API
 	bootln    net.Listener           // bootstrap.listen
 	bootToken atomic.Pointer[string] // bootstrap.token_file's token as last read; nil without one
@@ -35,8 +37,9 @@ type sources struct {
 
 // newSources builds the registry (shared through Redis when the /send store
 // is Redis, so that every replica serves the same fleet), the DNS source and
-// the registrar. Nothing runs until start; the error is a
-// bootstrap.token_file that cannot be read.
+// the registrar, and reads bootstrap.state_file into the memory store.
+// Nothing runs until start; the error is a bootstrap.token_file or a state
+// file that cannot be read.
 func (s *Server) newSources(cfg Config, resolve func(context.Context, string) ([]netip.Addr, error)) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
@@ -46,9 +49,16 @@ func (s *Server) newSources(cfg Config, resolve func(context.Context, string) ([
 		store := discovery.NewMemoryStore(s.clk)
 		if s.kv != nil {
 			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
+		} else if cfg.Bootstrap.StateFile != "" {
+			st, err := discovery.OpenStateFile(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"), s.reg)
+			if err != nil {
+				return nil, err
+			}
+			src.state = st
 		}
 		log := s.log.Named("bootstrap")
-		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, log)
+		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, log,
+			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
 		src.registry.SetSelfCheck(s.registrationSelfCheck)
 		access := discovery.BootstrapAccess{
 			Networks:       cfg.Bootstrap.Networks(),
@@ -104,6 +114,15 @@ func (src *sources) bootstrapToken(b discovery.BootstrapConfig) (*string, error)
 	return &t, nil
 }
 
+// roomWindow is how long a registered encoder has to pass its first health
+// checks before a full registry may give its place to a new registration,
+// and how long one that passed may go without passing again: up_after
+// probes one interval apart (the first at once), one interval for the
+// refresh that records the pass (refreshRegistrations), and one to spare.
+func roomWindow(h upstream.HealthConfig) time.Duration {
+	return time.Duration(h.UpAfter+2) * h.Interval.D()
+}
+
 // start listens on bootstrap.listen and starts every source.
 func (s *Server) startSources(cfg Config) error {
 	src := s.sources
@@ -151,6 +170,9 @@ func (s *Server) startSources(cfg Config) error {
 			src.registry.Run(ctx, every, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceRegistered, ms) })
 		})
 		run("registration refresh", func() { s.refreshRegistrations(ctx, every) })
+		if src.state != nil {
+			run("bootstrap state file", func() { src.state.Run(ctx) })
+		}
 	}
 	if len(cfg.Discovery.DNS) > 0 {
 		d := discovery.NewDNS(cfg.Discovery.DNS, discovery.DNSDeps{Log: s.log.Named("discovery"), Registry: s.reg, Clock: s.clk})
@@ -176,6 +198,9 @@ func (s *Server) startSources(cfg Config) error {
 // refreshRegistrations extends, every interval, the registrations of the
 // registered encoders that pass their health checks: one that crashed
 // without unregistering leaves once bootstrap.ttl passes without a refresh.
+// The refresh is also how the registry learns which of them pass (the
+// store records it, shared by every replica with Redis): a full registry
+// makes room by evicting one that has not passed for roomWindow.
 func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) {
 	for {
 		t := s.clk.NewTimer(every)
@@ -218,7 +243,8 @@ func (s *Server) unregisterSelf(ctx context.Context) {
 	s.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", s.conf().RegisterWith))
 }
 
-// stopSources stops every source and the bootstrap listener.
+// stopSources stops every source and the bootstrap listener, then writes
+// bootstrap.state_file a last time, after the registry's last change.
 func (s *Server) stopSources(ctx context.Context) error {
 	src := s.sources
 	if src.cancel != nil {
@@ -229,6 +255,14 @@ func (s *Server) stopSources(ctx context.Context) error {
 		err = src.boot.ShutdownWithContext(ctx)
 	}
 	src.wg.Wait()
+	if src.state != nil {
+		if serr := src.state.Save(); serr != nil {
+			s.log.Error("writing the registrations at shutdown failed", zap.Error(serr))
+			err = errors.Join(err, serr)
+		} else {
+			s.log.Info("registrations written to bootstrap.state_file", zap.String("state_file", s.conf().Bootstrap.StateFile))
+		}
+	}
 	return err
 }
 
