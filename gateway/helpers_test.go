@@ -92,8 +92,19 @@ func startGatewayDeps(t testing.TB, urls []string, mutate func(*Config), log *za
 // jitter is zero: full-jitter backoff waits 0, so retries need no sleeping.
 func serveGateway(t testing.TB, cfg Config, log *zap.Logger, clk clock.Clock) *gw {
 	t.Helper()
+	return serveGatewayDeps(t, cfg, Deps{Log: log, Clock: clk})
+}
+
+// serveGatewayDeps is serveGateway with deps (Registry is always a fresh
+// one; Rand is zero jitter unless deps has one).
+func serveGatewayDeps(t testing.TB, cfg Config, deps Deps) *gw {
+	t.Helper()
 	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: log, Registry: reg, Clock: clk, Rand: func() float64 { return 0 }})
+	deps.Registry = reg
+	if deps.Rand == nil {
+		deps.Rand = func() float64 { return 0 }
+	}
+	s, err := New(cfg, deps)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,15 +2,12 @@ package gateway
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -27,20 +24,7 @@ func fixedEntropy() *bytes.Reader { return bytes.NewReader([]byte{1, 2, 3, 4, 5,
 // fixedEntropy.
 func serveGatewayID(t *testing.T, cfg Config) *gw {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg, Rand: func() float64 { return 0 }, Entropy: fixedEntropy()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	return &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}
+	return serveGatewayDeps(t, cfg, Deps{Log: zap.NewNop(), Entropy: fixedEntropy()})
 }
 
 // requestsOn sums encgate_requests_total{route}; forwarded sums

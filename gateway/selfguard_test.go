@@ -47,20 +47,7 @@ func dnsResolver(srv *dnstest.Server) *net.Resolver {
 // asking srv.
 func serveGatewayResolving(t *testing.T, cfg Config, srv *dnstest.Server) *gw {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: reg, Rand: func() float64 { return 0 }, Resolver: dnsResolver(srv)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	return &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}
+	return serveGatewayDeps(t, cfg, Deps{Log: zap.NewNop(), Resolver: dnsResolver(srv)})
 }
 
 // selfRefused is encgate_fleet_self_refused_total{source}.
