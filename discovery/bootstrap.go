@@ -1,6 +1,7 @@
 package discovery
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -268,7 +269,7 @@ func (h *bootstrapHandler) serve(ctx *fasthttp.RequestCtx) {
 }
 
 func (h *bootstrapHandler) list(ctx *fasthttp.RequestCtx) {
-	urls, err := h.r.listURLs(ctx)
+	urls, err := h.r.listURLs(context.Background())
 	if err != nil {
 		h.storeError(ctx, "listing", err)
 		return
@@ -303,6 +304,10 @@ func (h *bootstrapHandler) change(ctx *fasthttp.RequestCtx, add bool) {
 		bootstrapError(ctx, fasthttp.StatusBadRequest, msgMissingURL)
 		return
 	}
+	// The store and the self check get a context of their own, not ctx: a
+	// *fasthttp.RequestCtx is reset for the next request once the handler
+	// returns, and a deadline timer made under it may still read it then.
+	// Each bounds its own wait (the Redis timeout, the resolve timeout).
 	var (
 		u   string
 		err error
@@ -311,9 +316,9 @@ func (h *bootstrapHandler) change(ctx *fasthttp.RequestCtx, add bool) {
 		if norm, _, perr := ParseEncoderURL(rawURL); perr == nil && !h.guard.checkURL(ctx, norm) {
 			return
 		}
-		u, err = h.r.register(ctx, rawURL)
+		u, err = h.r.register(context.Background(), rawURL)
 	} else {
-		u, err = h.r.unregister(ctx, rawURL)
+		u, err = h.r.unregister(context.Background(), rawURL)
 	}
 	switch {
 	case err == nil:

@@ -318,7 +318,11 @@ func (g *bootstrapGuard) checkURL(ctx *fasthttp.RequestCtx, normalised string) b
 	if a, err := netip.ParseAddr(host); err == nil {
 		addrs = []netip.Addr{a}
 	} else {
-		rctx, cancel := context.WithTimeout(ctx, g.ResolveTimeout)
+		// Not under ctx: a *fasthttp.RequestCtx is reset for the next
+		// request once the handler returns, and the deadline's timer may
+		// still read it then (go test -race caught it). The lookup is
+		// bounded by ResolveTimeout (at most 5 s) either way.
+		rctx, cancel := context.WithTimeout(context.Background(), g.ResolveTimeout)
 		addrs, err = g.Resolve(rctx, host)
 		cancel()
 		var dnsErr *net.DNSError
