@@ -126,6 +126,13 @@ func (e *Encoder) handleEncode(w http.ResponseWriter, r *http.Request, req *requ
 		e.encodeGen0(w, r, req)
 		return
 	}
+	if e.opts.Generation == Gen1 {
+		if !validateGen1(w, req) {
+			return
+		}
+		e.encode(w, r, req, nil)
+		return
+	}
 	if msg := validateEncode(req.obj); msg != "" {
 		writeEnvelope(w, http.StatusBadRequest, msg, req.rawID)
 		return

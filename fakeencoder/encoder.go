@@ -106,13 +106,22 @@ const (
 	// starlette's 500 text, registrations stored before their /encode, and
 	// /send refcounted by raw calls (Gen0 implies RefcountCalls).
 	Gen0
+	// Gen1 is GEN1, the encoder/ layout as first released (protocol
+	// reference §12): NEW's routes with partial /encode validation
+	// (validateGen1), non-DP /send exceptions answered as starlette's 500
+	// text, and /send refcounted by raw calls (Gen1 implies RefcountCalls).
+	// The DP-only differences of §12 are not imitated.
+	Gen1
 )
 
 // String returns the generation name ("new" or "gen0"); with Set it makes
 // *Generation a flag.Value.
 func (g Generation) String() string {
-	if g == Gen0 {
+	switch g {
+	case Gen0:
 		return "gen0"
+	case Gen1:
+		return "gen1"
 	}
 	return "new"
 }
@@ -125,8 +134,10 @@ func (g *Generation) Set(s string) error {
 		*g = GenNew
 	case "gen0":
 		*g = Gen0
+	case "gen1":
+		*g = Gen1
 	default:
-		return fmt.Errorf("fakeencoder: unknown generation %q (want new or gen0)", s)
+		return fmt.Errorf("fakeencoder: unknown generation %q (want new, gen0 or gen1)", s)
 	}
 	return nil
 }
@@ -354,8 +365,8 @@ type Encoder struct {
 func New(opts Options) *Encoder {
 	opts.setDefaults()
 	opts.setRegistrationDefaults()
-	if opts.Generation == Gen0 {
-		opts.RefcountCalls = true // GEN0 counts raw /send calls
+	if opts.Generation == Gen0 || opts.Generation == Gen1 {
+		opts.RefcountCalls = true // GEN0 and GEN1 (§12) count raw /send calls
 	}
 	if opts.Rand == nil {
 		opts.Rand = rand.New(rand.NewSource(1)).Float64
@@ -603,7 +614,7 @@ func (o *Options) BindFlags(fs *flag.FlagSet) {
 	o.setDefaults()
 	fs.StringVar(&o.Name, "name", o.Name, "encoder name shown in /_fake/stats")
 	fs.Var(&o.Mode, "mode", "transfer backend imitated: mooncake or zmq")
-	fs.Var(&o.Generation, "generation", "sglang encoder generation imitated: new (default) or gen0 (protocol reference §11; implies --refcount-calls)")
+	fs.Var(&o.Generation, "generation", "sglang encoder generation imitated: new (default), gen0 (protocol reference §11) or gen1 (§12); gen0 and gen1 imply --refcount-calls")
 	fs.BoolVar(&o.PushFrames, "push-frames", o.PushFrames, "zmq mode: push each part's ZMQ message (frame 0 a JSON stand-in for the pickle) to its registered URLs or prefill_host:embedding_port")
 	fs.DurationVar(&o.EncodeLatency, "encode-latency", o.EncodeLatency, "simulated encode time after the metadata publish")
 	fs.DurationVar(&o.MetadataTimeout, "metadata-timeout", o.MetadataTimeout, "/scheduler_receive_meta_data wait before 504 (sglang REQ_TIMEOUT)")

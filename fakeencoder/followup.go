@@ -70,8 +70,10 @@ func (e *Encoder) handleSend(w http.ResponseWriter, r *http.Request, req *reques
 		}
 	}
 	o := e.send(r, id, req.field("receive_count"), dest)
-	if e.gen0() && o.status != 0 && o.status != http.StatusOK {
-		writeInternalError(w) // GEN0's /send has no try block: every error is starlette's 500 text
+	if (e.gen0() || e.opts.Generation == Gen1) && o.status != 0 && o.status != http.StatusOK {
+		// GEN0's /send has no try block, and GEN1's does not catch
+		// encoder.send's exceptions (§12): every error is starlette's 500 text
+		writeInternalError(w)
 		return
 	}
 	if o.status == http.StatusOK && e.opts.EchoSend {

@@ -68,7 +68,7 @@ func withPort(id, port string, items ...string) string {
 }
 
 func TestFailedEncodePushesErrorFrameToEachRank(t *testing.T) {
-	for _, gen := range []Generation{Gen0, GenNew} {
+	for _, gen := range []Generation{Gen0, GenNew, Gen1} {
 		t.Run(gen.String(), func(t *testing.T) {
 			e := start(t, pushOptions(gen))
 			const msg = "Failed to process mm items: cannot identify image file"
@@ -106,7 +106,7 @@ func TestFailedEncodePushesErrorFrameToEachRank(t *testing.T) {
 }
 
 func TestSuccessfulEncodePushesTwoFrames(t *testing.T) {
-	for _, gen := range []Generation{Gen0, GenNew} {
+	for _, gen := range []Generation{Gen0, GenNew, Gen1} {
 		t.Run(gen.String(), func(t *testing.T) {
 			e := start(t, pushOptions(gen))
 			sinks := []*acktest.Sink{startSink(t), startSink(t)}
