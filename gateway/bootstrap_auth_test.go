@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fakeencoder"
@@ -182,8 +181,8 @@ func TestBootstrapResolvesRegisteredNames(t *testing.T) {
 	cfg.Listen, cfg.AdminListen, cfg.Bootstrap.Listen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Bootstrap.AllowNetworks = []string{"127.0.0.0/8"}
 	asked := make(chan string, 4)
-	s, err := New(cfg, Deps{Log: zap.NewNop(), Registry: prometheus.NewRegistry(),
-		Resolve: func(ctx context.Context, host string) ([]netip.Addr, error) {
+	g := serveGatewayDeps(t, cfg, Deps{Log: zap.NewNop(),
+		Resolver: resolverFunc(func(ctx context.Context, host string) ([]netip.Addr, error) {
 			asked <- host
 			if _, ok := ctx.Deadline(); !ok {
 				return nil, fmt.Errorf("no deadline")
@@ -192,19 +191,8 @@ func TestBootstrapResolvesRegisteredNames(t *testing.T) {
 				return []netip.Addr{netip.MustParseAddr("127.0.0.9")}, nil
 			}
 			return []netip.Addr{netip.MustParseAddr("127.0.0.9"), netip.MustParseAddr("10.0.0.1")}, nil
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	base := "http://" + s.BootstrapAddr()
+		})})
+	base := "http://" + g.BootstrapAddr()
 	if a := post(t, base+"/register_encoder_url", `{"url":"http://enc-in.example:30000"}`); a.status != 200 {
 		t.Errorf("a name inside: %d %s", a.status, a.body)
 	}
@@ -283,4 +271,11 @@ func TestBootstrapListenNeedsAccessInTheFile(t *testing.T) {
 	if err := load("  insecure: true\n  allow_networks: [\"10.244.0.0/16\"]\n"); err == nil || !strings.Contains(err.Error(), "bootstrap.insecure: cannot be true with token_file or allow_networks") {
 		t.Errorf("insecure with allow_networks: %v", err)
 	}
+}
+
+// resolverFunc makes a func a Resolver (network is always "ip" here).
+type resolverFunc func(ctx context.Context, host string) ([]netip.Addr, error)
+
+func (f resolverFunc) LookupNetIP(ctx context.Context, _, host string) ([]netip.Addr, error) {
+	return f(ctx, host)
 }

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -202,20 +201,7 @@ func TestStaticSelfEncoderRefusedAtApplyAndOnReload(t *testing.T) {
 	cfg.Listen, cfg.AdminListen = "127.0.0.1:"+p, "127.0.0.1:0"
 	cfg.Encoders = []upstream.EncoderConfig{{Name: "enc-0", URL: encs[0].URL()}, {Name: "self-a", URL: "http://self-a.encgate.test:" + p}}
 	core, logs := observer.New(zap.InfoLevel)
-	reg := prometheus.NewRegistry()
-	s, err := New(cfg, Deps{Log: zap.New(core), Registry: reg, Resolver: dnsResolver(srv)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Shutdown(ctx)
-	})
-	g := &gw{Server: s, base: "http://" + s.Addr(), admin: "http://" + s.AdminAddr(), reg: reg}
+	g := serveGatewayDeps(t, cfg, Deps{Log: zap.New(core), Resolver: dnsResolver(srv)})
 	if names := upstreamNames(t, g); !slices.Equal(names, []string{"enc-0"}) {
 		t.Fatalf("fleet %v, want enc-0 alone", names)
 	}
@@ -240,7 +226,7 @@ func TestStaticSelfEncoderRefusedAtApplyAndOnReload(t *testing.T) {
 	// A reload naming the listener literally is refused whole.
 	bad := next
 	bad.Encoders = append(slices.Clone(next.Encoders), upstream.EncoderConfig{Name: "self-c", URL: "http://127.0.0.1:" + p})
-	err = g.Reload(bad)
+	err := g.Reload(bad)
 	want := "encoders[3].url: http://127.0.0.1:" + p + " is this gateway's own listen address (127.0.0.1:" + p + ")"
 	if err == nil || !strings.Contains(err.Error(), want) {
 		t.Fatalf("reload naming the listener: %v, want %q", err, want)

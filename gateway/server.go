@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/netip"
 	"sync/atomic"
 	"time"
 
@@ -77,8 +76,10 @@ type Deps struct {
 	// for measuring what a flow costs in Redis (gateway/capacity_test.go,
 	// bench/capacity.sh); nil in production. Unused without Redis.
 	RedisHook redis.Hook
-	// Resolver looks up encoder host names for the self check (selfguard.go);
-	// nil means net.DefaultResolver.
+	// Resolver looks up host names: encoders' for the self check
+	// (selfguard.go), and those of URLs registered on the bootstrap API for
+	// bootstrap.allow_networks (each bounded by its own timeout); nil means
+	// net.DefaultResolver.
 	Resolver Resolver
 	// InterfaceAddrs lists this host's addresses, which a listener on
 	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
@@ -86,10 +87,6 @@ type Deps struct {
 	// Entropy is where the instance id of the hop mark (loop.go) is drawn
 	// from; nil means crypto/rand.
 	Entropy io.Reader
-	// Resolve returns the addresses of the host name of a URL registered
-	// on the bootstrap API, for bootstrap.allow_networks; nil means the
-	// system resolver (bounded by bootstrap.resolve_timeout either way).
-	Resolve func(ctx context.Context, host string) ([]netip.Addr, error)
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -154,14 +151,18 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = s.closeStore()
 		return nil, err
 	}
-	s.guard = newSelfGuard(cfg, deps.Resolver, deps.InterfaceAddrs, clk)
+	resolver := deps.Resolver
+	if resolver == nil {
+		resolver = net.DefaultResolver
+	}
+	s.guard = newSelfGuard(cfg, resolver, deps.InterfaceAddrs, clk)
 	s.fleet = newFleet(deps.Registry)
 	if _, err := s.applyFleet(&cfg, nil); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err
 	}
-	if s.sources, err = s.newSources(cfg, deps.Resolve); err != nil {
+	if s.sources, err = s.newSources(cfg, resolver); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err

@@ -40,7 +40,7 @@ type sources struct {
 // the registrar, and reads bootstrap.state_file into the memory store.
 // Nothing runs until start; the error is a bootstrap.token_file or a state
 // file that cannot be read.
-func (s *Server) newSources(cfg Config, resolve func(context.Context, string) ([]netip.Addr, error)) (*sources, error) {
+func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		if err := src.readBootstrapToken(cfg.Bootstrap); err != nil {
@@ -61,8 +61,10 @@ func (s *Server) newSources(cfg Config, resolve func(context.Context, string) ([
 			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
 		src.registry.SetSelfCheck(s.registrationSelfCheck)
 		access := discovery.BootstrapAccess{
-			Networks:       cfg.Bootstrap.Networks(),
-			Resolve:        resolve,
+			Networks: cfg.Bootstrap.Networks(),
+			Resolve: func(ctx context.Context, host string) ([]netip.Addr, error) {
+				return resolver.LookupNetIP(ctx, "ip", host)
+			},
 			ResolveTimeout: cfg.Bootstrap.ResolveTimeout.D(),
 			Quiet:          sampled(log, s.clk), // any caller can be refused at any rate
 			Registry:       s.reg,
