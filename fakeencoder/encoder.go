@@ -190,6 +190,12 @@ type Options struct {
 	// RegisterTimeout bounds the /scheduler_receive_url wait for /encode to
 	// start. Default 180s.
 	RegisterTimeout time.Duration
+	// HoldFailedRegistrations: a /scheduler_receive_url for a part whose
+	// zmq /encode failed is held RegisterTimeout and then answered 504
+	// "Timed out waiting for encoder request to start", pushing nothing to
+	// it, as issue 27 saw NEW-layout encoders do; otherwise it is taken and
+	// the error frame pushed to it, as GEN0 and GEN1 do (§11, §12).
+	HoldFailedRegistrations bool
 	// SendTimeout bounds a zmq /encode wait for receive_count registrations
 	// (sglang SGLANG_ENCODER_SEND_TIMEOUT). Default 180s.
 	SendTimeout time.Duration

@@ -246,6 +246,12 @@ func (e *Encoder) register(r *http.Request, id string, count, url *fastjson.Valu
 			return outcome{}
 		}
 	}
+	if st := e.states[id]; st != nil && st.failed && e.opts.HoldFailedRegistrations {
+		if e.waitLocked(r.Context(), RouteRegister, id, e.opts.RegisterTimeout, func() bool { return false }) != waitTimeout {
+			return outcome{}
+		}
+		return outcome{status: http.StatusGatewayTimeout, msg: "Timed out waiting for encoder request to start: " + id}
+	}
 	if st := e.states[id]; st == nil || st.releaseRequested {
 		return outcome{status: http.StatusBadRequest, msg: "Encoder request is not active: " + id}
 	}

@@ -129,6 +129,9 @@ type UpstreamState struct {
 	Pins       int                     `json:"pins"`
 	Breaker    BreakerView             `json:"breaker"`
 	Health     upstream.HealthSnapshot `json:"health"`
+	// Learned is what the encoder's answers taught the gateway of its
+	// sglang generation's behaviour (upstream.Encoder.Learned).
+	Learned upstream.LearnedView `json:"learned"`
 }
 
 // BreakerView is the passive (breaker) state of an encoder. The counts
@@ -191,7 +194,7 @@ func (s *Server) upstreamStates() []UpstreamState {
 			Name: e.Name, URL: e.URL, Source: e.Source(), Membership: membership, Usable: e.Usable(), State: e.State(),
 			Inflight: e.Inflight(), Polls: e.Polls(), Requests: e.Requests(), Pins: pins[e.Name],
 			Breaker: breakerView(e.Breaker.Snapshot()),
-			Health:  e.Health.Snapshot(),
+			Health:  e.Health.Snapshot(), Learned: e.Learned(),
 		})
 	}
 	return out

@@ -696,44 +696,57 @@ func TestGen0ZmqRegistrationsAfterAFailedEncodeReachTheEncoder(t *testing.T) {
 	})
 }
 
-// A NEW encoder holds a registration for a failed part instead of pushing
-// an error frame, and NEW ranks fail at once on a failed registration
-// (§1.4, §11). So with the default generation the gateway answers each of
-// the six registrations itself, from the remembered failure, with the
-// /encode's status and message, and none reaches the encoder.
-func TestNewZmqRegistrationsAfterAFailedEncodeAreAnsweredAtOnce(t *testing.T) {
+// An encoder that holds a registration for a failed part instead of
+// pushing an error frame (as issue 27 saw NEW-layout encoders do), with no
+// generation key: the gateway does not know it yet, so it forwards the six
+// registrations of the first failed part, bounded by
+// affinity.failed_registration_wait; past the bound each rank gets the
+// remembered failure (the /encode's status and message) and the gateway
+// learns. The six registrations of the next failed part are answered at
+// once, and none of them reaches the encoder.
+func TestHeldZmqRegistrationsAfterAFailedEncodeAreAnsweredFromTheFailure(t *testing.T) {
 	const msg = "Error while loading data https://x/missing.png: 404"
 	const tp = 6
 	sinks := zmqRanks(t, tp)
 	encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) {
-		o.Mode, o.PushFrames = fakeencoder.ModeZMQ, true
+		o.Mode, o.PushFrames, o.HoldFailedRegistrations = fakeencoder.ModeZMQ, true, true
 	})
-	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Health.Disabled = true })
+	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Health.Disabled = true
+		c.Affinity.FailedRegistrationWait = configfile.Duration(200 * time.Millisecond)
+	})
 	cs := newCallers(t)
-	const id = "new-zmq_local_part_0"
-	wantEnvelopeMsg(t, post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:"+msg)), http.StatusBadRequest, msg, strp(id))
-	var regs []<-chan result
-	for _, s := range sinks {
-		regs = append(regs, cs.post(g.base+"/scheduler_receive_url", registerBody(id, sinkURL(s), tp)))
+	e, _ := g.Pool().Lookup("enc-0")
+	if got := e.Learned().TakesFailedRegistration; got != upstream.Unknown {
+		t.Fatalf("before any failure: takes_failed_registration %s", got)
 	}
-	for rank, ch := range regs {
-		a := await(t, fmt.Sprintf("rank %d's registration", rank), ch)
-		wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
-		if got := a.header.Get("X-Encgate-Encoder"); got != "enc-0" {
-			t.Errorf("rank %d: X-Encgate-Encoder %q, want the failed /encode's enc-0", rank, got)
+	part := func(id string, wantSent bool) {
+		t.Helper()
+		wantEnvelopeMsg(t, post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:"+msg)), http.StatusBadRequest, msg, strp(id))
+		var regs []<-chan result
+		for _, s := range sinks {
+			regs = append(regs, cs.post(g.base+"/scheduler_receive_url", registerBody(id, sinkURL(s), tp)))
 		}
-		if got := a.header.Get("X-Encgate-Attempts"); got != "" {
-			t.Errorf("rank %d: X-Encgate-Attempts %q: the registration was sent", rank, got)
+		for rank, ch := range regs {
+			a := await(t, fmt.Sprintf("%s: rank %d's registration", id, rank), ch)
+			wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
+			if got := a.header.Get("X-Encgate-Encoder"); got != "enc-0" {
+				t.Errorf("rank %d: X-Encgate-Encoder %q, want the failed /encode's enc-0", rank, got)
+			}
+			if sent := a.header.Get("X-Encgate-Attempts") != ""; sent != wantSent {
+				t.Errorf("%s: rank %d's registration sent %v, want %v", id, rank, sent, wantSent)
+			}
+		}
+		if n := encs[0].Stats().ReqIDs[id]["/scheduler_receive_url"]; wantSent != (n == tp) || !wantSent && n != 0 {
+			t.Errorf("%s: the encoder received %d registrations, sent %v", id, n, wantSent)
 		}
 	}
+	part("held-1_local_part_0", true)
+	if l := e.Learned(); l.TakesFailedRegistration != upstream.No || l.Guess != "new" {
+		t.Fatalf("learned %+v, want takes_failed_registration no (new)", l)
+	}
+	part("held-2_local_part_0", false)
 	st := encs[0].Stats()
-	if n := st.Routes["/scheduler_receive_url"]; n != 0 || len(st.Registrations) != 0 {
-		t.Fatalf("the encoder received %d registrations (%v), want none", n, st.Registrations)
-	}
-	if n := st.ReqIDs[id]["/scheduler_receive_url"]; n != 0 {
-		t.Fatalf("the encoder received %d registrations for the part", n)
-	}
-	// It never learned the ranks' URLs, so it pushed nothing to them.
 	if len(st.Pushes) != 0 {
 		t.Fatalf("pushes %v", st.Pushes)
 	}
@@ -880,4 +893,75 @@ func TestAGoodPinSurvivesALaterBadEncode(t *testing.T) {
 			t.Fatalf("the encoder received %d /encodes, want both", n)
 		}
 	})
+}
+
+// Issue 27, must-show "mixed fleet": one encoder of each sglang generation
+// behind one gateway, zmq_to_scheduler, no generation key. A failed
+// /encode is placed on each; its TP=2 ranks then register. GEN0 and GEN1
+// take such a registration and push their own error frame (§11, §12): the
+// gateway forwards it, and each rank hears the encoder's message and
+// status in that frame. The NEW-style encoder holds it: the gateway cuts
+// it off at affinity.failed_registration_wait and answers the ranks with
+// the /encode's own status and message, never leaving them to a 180 s
+// timeout. /admin/upstreams then shows what was learned of each.
+func TestMixedFleetFailedZmqEncodesReachEveryRank(t *testing.T) {
+	const tp = 2
+	gens := []fakeencoder.Generation{fakeencoder.Gen0, fakeencoder.Gen1, fakeencoder.GenNew}
+	encs := startFakes(t, len(gens), func(i int, o *fakeencoder.Options) {
+		o.Mode, o.PushFrames, o.Generation = fakeencoder.ModeZMQ, true, gens[i]
+		o.HoldFailedRegistrations = gens[i] == fakeencoder.GenNew
+	})
+	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Health.Disabled = true
+		c.Affinity.FailedRegistrationWait = configfile.Duration(300 * time.Millisecond)
+	})
+	cs := newCallers(t)
+	done := map[string]bool{}
+	for i := 0; len(done) < len(encs); i++ {
+		if i > 200 {
+			t.Fatalf("200 parts placed on %v only", done)
+		}
+		id := fmt.Sprintf("mixed-%d_local_part_0", i)
+		msg := "Error while loading data https://x/" + id + ".png: 404"
+		a := post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:"+msg))
+		name := a.header.Get("X-Encgate-Encoder")
+		wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
+		if done[name] {
+			continue // its send_with_url waits for registrations that never come; harmless
+		}
+		done[name] = true
+		idx := int(name[len(name)-1] - '0')
+		fake, gen := encs[idx], gens[idx]
+		sinks := zmqRanks(t, tp)
+		var regs []<-chan result
+		for _, s := range sinks {
+			regs = append(regs, cs.post(g.base+"/scheduler_receive_url", registerBody(id, sinkURL(s), tp)))
+		}
+		for rank, ch := range regs {
+			a := await(t, fmt.Sprintf("%s rank %d's registration", gen, rank), ch)
+			if gen == fakeencoder.GenNew {
+				wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
+			} else if a.status != 200 || a.body != "null" {
+				t.Fatalf("%s rank %d's registration: %d %s, want the encoder's 200 null", gen, rank, a.status, a.body)
+			}
+		}
+		if gen != fakeencoder.GenNew {
+			wantErrorFrames(t, fake, sinks, id, msg, http.StatusBadRequest)
+		}
+		e, _ := g.Pool().Lookup(name)
+		want := map[bool]upstream.Fact{true: upstream.No, false: upstream.Yes}[gen == fakeencoder.GenNew]
+		if l := e.Learned(); l.TakesFailedRegistration != want {
+			t.Fatalf("%s (%s): learned %+v, want takes_failed_registration %s", name, gen, l, want)
+		}
+	}
+	var rows []UpstreamState
+	if err := json.Unmarshal([]byte(do(t, http.MethodGet, g.admin+"/admin/upstreams", "").body), &rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		t.Logf("/admin/upstreams %s: learned %+v", r.Name, r.Learned)
+		if r.Learned.TakesFailedRegistration == upstream.Unknown {
+			t.Errorf("%s: nothing learned in /admin/upstreams: %+v", r.Name, r.Learned)
+		}
+	}
 }

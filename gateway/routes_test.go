@@ -18,22 +18,26 @@ func rankEncodeBody(id string, port, count int) string {
 		`"modality":"IMAGE","prefill_host":"10.0.0.1","embedding_port":%d,"receive_count":%d}`, id, port, count)
 }
 
-// Every route, in front of a fleet of each sglang generation: what reaches
-// the encoder, what comes back, and that no answer in either generation's
-// ordinary traffic counts against a breaker.
+// Every route, in front of a fleet of each sglang generation (NEW, GEN1,
+// GEN0; protocol reference §11, §12), with no generation key: what reaches
+// the encoder, what comes back, that no answer in any generation's
+// ordinary traffic counts against a breaker, and what the gateway learned
+// of the encoder holding the part.
 func TestRoutesAgainstBothGenerations(t *testing.T) {
 	for _, gen := range []struct {
-		name     string
-		fake     fakeencoder.Generation
-		upstream upstream.Generation
-	}{{"new", fakeencoder.GenNew, upstream.GenNew}, {"gen0", fakeencoder.Gen0, upstream.Gen0}} {
+		name  string
+		fake  fakeencoder.Generation
+		guess string // Learned().Guess of the holder at the end
+	}{{"new", fakeencoder.GenNew, ""}, {"gen1", fakeencoder.Gen1, ""}, {"gen0", fakeencoder.Gen0, "gen0"}} {
 		t.Run(gen.name, func(t *testing.T) {
 			encs := startFakes(t, 2, func(_ int, o *fakeencoder.Options) { o.Generation = gen.fake })
 			g := startGateway(t, fakeURLs(encs), func(c *Config) {
 				c.Affinity.UnknownWait = 0
 				c.Breaker.ConsecutiveFailures = 1
-				for i := range c.Encoders {
-					c.Encoders[i].Generation = gen.upstream
+				for _, e := range c.Encoders {
+					if e.Generation != upstream.GenAuto {
+						t.Fatalf("encoder %s has generation %q", e.Name, e.Generation)
+					}
 				}
 			})
 			old := gen.fake == fakeencoder.Gen0
@@ -76,9 +80,11 @@ func TestRoutesAgainstBothGenerations(t *testing.T) {
 				"no staged embedding for req_id="+id+" (already released)", strp(id))
 
 			// A /send for a req_id nobody encoded reaches the encoder: NEW's
-			// envelope, GEN0's KeyError text; neither is a fault.
+			// envelope, GEN0's KeyError text, GEN1's uncaught exception
+			// (the same text, §12); none is a fault.
 			a = post(t, g.base+"/send", sendBody("nobody_local_part_0", 40000))
-			if a.status != 500 || old && a.body != "Internal Server Error" || !old && !strings.Contains(a.body, "(already released)") {
+			plain := gen.fake != fakeencoder.GenNew
+			if a.status != 500 || plain && a.body != "Internal Server Error" || !plain && !strings.Contains(a.body, "(already released)") {
 				t.Fatalf("/send of an unknown req_id: %d %s", a.status, a.body)
 			}
 
@@ -115,6 +121,12 @@ func TestRoutesAgainstBothGenerations(t *testing.T) {
 					t.Fatalf("%s (holding the part: %v): breaker %s, counts %+v", e.Name, e.Name == holder, st, c)
 				}
 			}
+			e, _ := g.Pool().Lookup(holder)
+			l := e.Learned()
+			if want := map[bool]upstream.Fact{true: upstream.No, false: upstream.Yes}[old]; l.ServesMetadata != want || l.Guess != gen.guess {
+				t.Fatalf("learned of %s: %+v, want serves_metadata %s, guess %q", holder, l, want, gen.guess)
+			}
+			t.Logf("learned of %s: %+v", holder, l)
 		})
 	}
 }

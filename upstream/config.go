@@ -3,6 +3,7 @@ package upstream
 import (
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
@@ -26,13 +27,13 @@ type EncoderConfig struct {
 	// the config is validated and again on every reload, so rewriting it
 	// and reloading applies a new token. Only the path is ever shown.
 	AgentTokenFile string `yaml:"agent_token_file,omitempty"`
-	// Generation is the sglang generation the encoder runs: new (the
-	// default: the encoder/ package layout) or gen0 (the older flat
-	// encode_server.py, protocol reference §11). It decides how a
-	// registration for a part whose /encode failed reaches the rank's
-	// failure: forwarded to a gen0 encoder, which pushes its error frame to
-	// registered URLs; answered at once from the remembered failure for a
-	// new one, which would hold it.
+	// Generation is an optional override of what the gateway learns from
+	// the encoder's answers (Learned): unset (the default) learns; new
+	// says the encoder holds a registration for a part whose /encode
+	// failed, so the gateway answers it at once from the remembered
+	// failure; gen0 or gen1 (protocol reference §11, §12) say the encoder
+	// takes it and pushes its error frame to the rank, so the gateway
+	// forwards it. Learning serves every generation without it.
 	Generation Generation `yaml:"generation,omitempty"`
 
 	// What the gateway's fleet sets, never the file:
@@ -62,23 +63,27 @@ const (
 // Generation is an sglang encoder generation.
 type Generation string
 
-// Generations.
+// Generations. GenAuto (unset) learns the encoder's behaviour.
 const (
-	GenNew Generation = "new"
-	Gen0   Generation = "gen0"
+	GenAuto Generation = ""
+	GenNew  Generation = "new"
+	Gen0    Generation = "gen0"
+	Gen1    Generation = "gen1"
 )
 
-var generations = [...]Generation{GenNew, Gen0}
+var generations = [...]Generation{GenAuto, GenNew, Gen0, Gen1}
 
-// index is g's position in generations; unset is new.
+// index is g's position in generations; an unknown one is GenAuto.
 func (g Generation) index() uint32 {
-	if g == Gen0 {
-		return 1
+	for i, x := range generations {
+		if x == g {
+			return uint32(i)
+		}
 	}
 	return 0
 }
 
-func (g Generation) valid() bool { return g == "" || g == GenNew || g == Gen0 }
+func (g Generation) valid() bool { return g == GenAuto || g.index() != 0 }
 
 // AffinityConfig controls how req_ids stay on the encoder that holds them.
 type AffinityConfig struct {
@@ -88,6 +93,13 @@ type AffinityConfig struct {
 	// UnknownWait is how long a follow-up waits for its /encode's pin before
 	// it routes by rendezvous order (default 5s, as sglang's DP dispatcher).
 	UnknownWait configfile.Duration `yaml:"unknown_wait"`
+	// FailedRegistrationWait bounds how long a registration for a part
+	// whose /encode the encoder failed is forwarded to it (default 1s):
+	// GEN0 and GEN1 take it at once and push their own error frame to the
+	// rank; NEW holds it, and past the bound the gateway answers it from
+	// the remembered failure, ends the held exchange, and learns to answer
+	// that encoder's at once.
+	FailedRegistrationWait configfile.Duration `yaml:"failed_registration_wait"`
 	// MaxPins bounds the pin table exactly (default 1,000,000); at the
 	// bound an expired pin makes room, else the oldest failed, pending,
 	// then encoded one, counted by state in a metric.
@@ -147,9 +159,11 @@ func DefaultAffinity() AffinityConfig {
 	return AffinityConfig{
 		PinTTL:      configfile.Duration(240e9),
 		UnknownWait: configfile.Duration(5e9),
-		MaxPins:     1_000_000,
-		EncodeBy:    EncodeByReqID,
-		LoadFactor:  1.25,
+		// GEN0 and GEN1 answer such a registration as soon as they read it.
+		FailedRegistrationWait: configfile.Duration(1e9),
+		MaxPins:                1_000_000,
+		EncodeBy:               EncodeByReqID,
+		LoadFactor:             1.25,
 	}
 }
 
@@ -200,7 +214,7 @@ func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig)
 			}
 		}
 		if !e.Generation.valid() {
-			p.Addf(at+".generation", "must be new or gen0, got %q", string(e.Generation))
+			p.Addf(at+".generation", "must be unset (learned from the encoder's answers), new, gen0 or gen1, got %q", string(e.Generation))
 		}
 	}
 }
@@ -228,6 +242,9 @@ func checkURL(raw string) string {
 // Validate checks the affinity settings.
 func (c AffinityConfig) Validate(p *configfile.Problems, path string) {
 	p.Positive(path+".pin_ttl", c.PinTTL)
+	if c.FailedRegistrationWait <= 0 || c.FailedRegistrationWait.D() > time.Minute {
+		p.Addf(path+".failed_registration_wait", "must be in (0, 1m], got %s", c.FailedRegistrationWait)
+	}
 	if c.UnknownWait < 0 {
 		p.Addf(path+".unknown_wait", "must be >= 0, got %s", c.UnknownWait)
 	}

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
-	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/jsonfield"
 	"github.com/encgate/encgate/internal/sglang"
@@ -120,6 +119,12 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *R
 		p.attempt(c, &t, f, pol, deadline, &res.Verdict)
 		res.Attempts, res.enc = n, t.enc
 		res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
+		if t.failedReg > 0 && p.endFailedRegistration(c, &t, &res.Verdict) {
+			return
+		}
+		if !res.Verdict.Retry && p.unknownWhilePending(c, &res.Verdict) {
+			res.Verdict.Retry = true
+		}
 		if !res.Verdict.Retry || n >= pol.MaxAttempts || !st.more(n+1) {
 			return
 		}
@@ -145,6 +150,51 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *R
 	}
 }
 
+// unknownWhilePending reports a DP encoder's 404 "Unknown req_id" to a
+// metadata pull or registration while the part's /encode is still in
+// flight (its pin pending): the encoder's dispatcher gave up waiting for
+// the req_id's mapping (min(5 s, REQ_TIMEOUT), §2, §12) before the /encode
+// reached it. That is "not ready yet", retried under the route's policy
+// like the 504s; it was never a breaker fault (a 4xx). Once the /encode
+// ended, its pin answers instead (pinned.pick), and with no pin the pull
+// had already waited affinity.unknown_wait for one.
+func (p *Pool) unknownWhilePending(c *Call, v *Verdict) bool {
+	if v.Kind != KindAnswered || v.Status != fasthttp.StatusNotFound || !c.Route.LongPoll ||
+		!bytes.Contains(c.Resp.Body(), []byte(sglang.UnknownReqID)) {
+		return false
+	}
+	pin, ok := p.Pins.Current(c.ReqID)
+	return ok && pin.State == PinPending
+}
+
+// endFailedRegistration ends a registration forwarded for a part whose
+// /encode its encoder failed (target.failedReg), and learns from it: an
+// answer within the bound is the encoder's own (GEN0 and GEN1 take it with
+// 200 and push their error frame to the rank), so it passes; a try cut
+// off at the bound means the encoder holds such registrations (NEW; a
+// GEN1 DP encoder's 404 comes only after its mapping wait): the rank gets
+// the remembered failure now, and later ones to this encoder are answered
+// at once. True when the call ends here.
+func (p *Pool) endFailedRegistration(c *Call, t *target, v *Verdict) bool {
+	now := p.clk.Now()
+	l := &t.enc.learned
+	switch {
+	case v.Kind == KindAnswered && v.Status == fasthttp.StatusOK:
+		l.set(&l.failedRegistration, Yes, now)
+		return true
+	case v.Kind == KindAnswered:
+		return true
+	case v.Kind != KindTimeout:
+		return false // not sent, or broken: the policy decides
+	}
+	l.set(&l.failedRegistration, No, now)
+	if pin, ok := p.Pins.Current(c.ReqID); ok && pin.Failed() {
+		*v = rememberedVerdict(pin)
+		return true
+	}
+	return false
+}
+
 // heldPollExpired reports a long-poll try that the gateway's per-try
 // timeout ended while the encoder was holding it.
 func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause == CauseExpired }
@@ -153,6 +203,9 @@ func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause 
 // the verdict's Mark when it admitted the exchange.
 func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline time.Time, v *Verdict) {
 	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(p.clk.Now()))
+	if t.failedReg > 0 {
+		timeout = min(timeout, t.failedReg)
+	}
 	if timeout <= 0 {
 		*v = noTimeVerdict(c.Route, t.name)
 		return
@@ -180,6 +233,9 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 			o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
 		}
 		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
+		if !t.name.Agent {
+			t.enc.learn(c.Route, v, o.Body, p.clk.Now())
+		}
 	}
 	if admitted {
 		done(v.Breaker)
@@ -226,11 +282,6 @@ func (p *Pool) recordEncode(c *Call, res Result) {
 	v := res.Verdict
 	if v.Kind == KindAnswered && v.Status == fasthttp.StatusOK {
 		p.Pins.Encoded(c.ReqID, res.enc.id)
-		if c.Rank && res.enc.Generation() != Gen0 && res.enc.warnedGen.CompareAndSwap(false, true) {
-			p.log.Warn("an /encode carried receive_count, as sglang GEN0's receiver ranks send it, but this encoder's "+
-				"generation is new: set encoders[].generation: gen0 so that registrations after a failed encode reach it",
-				zap.String("encoder", res.enc.Name))
-		}
 		return
 	}
 	msg, answered := v.Message, v.Kind == KindAnswered
@@ -397,10 +448,12 @@ func (s *pinned) more(int) bool { return true }
 //
 //   - No pin: the rendezvous owner, as the part's /encode would choose it.
 //   - A failed /encode: its status and message at once, except for a
-//     registration whose failure an encoder of generation gen0 answered:
-//     that encoder reports a failed zmq encode only through its error frame
-//     to URLs registered with it, so the registration is forwarded (it is
-//     idempotent) and the rank hears the encoder's own failure.
+//     registration whose failure an encoder answered that is not known to
+//     hold such registrations: GEN0 and GEN1 report a failed zmq encode
+//     only through their error frame to URLs registered with them, so the
+//     registration is forwarded (it is idempotent), bounded by
+//     affinity.failed_registration_wait, and the rank hears the encoder's
+//     own failure (endFailedRegistration).
 //   - The encoder is no longer configured, or down by active health: a
 //     fast 503 naming it; its staged state cannot move.
 //   - Its breaker is open: a follow-up gets the same fast 503. A sibling's
@@ -432,6 +485,9 @@ func (s *pinned) decide(pin Pin, ok bool) (target, *Verdict, bool) {
 	}
 	s.t = e.targetFor(s.c.Route, nil)
 	s.t.poll = s.longPoll(pin, ok)
+	if pin.Failed() {
+		s.t.failedReg = s.p.aff.FailedRegistrationWait.D()
+	}
 	return s.t, nil, true
 }
 
@@ -446,14 +502,15 @@ func (s *pinned) longPoll(pin Pin, ok bool) bool {
 	return s.c.Route.Kind == sglang.KindFollowUp && s.c.Route.LongPoll && (!ok || pin.State == PinPending)
 }
 
-// forwardFailed: a registration for a part whose gen0 encoder answered the
-// failure goes to that encoder (see decide).
+// forwardFailed: a registration for a part whose encoder answered the
+// failure goes to that encoder unless it is known to hold such
+// registrations (see decide, Encoder.forwardsFailedRegistration).
 func (s *pinned) forwardFailed(pin Pin) bool {
 	if s.c.Route != sglang.RouteReceiveURL || !pin.Answered {
 		return false
 	}
 	e, ok := s.p.lookupPinned(pin)
-	return ok && e.Generation() == Gen0
+	return ok && e.forwardsFailedRegistration()
 }
 
 // throughOpenBreaker: state already on the encoder that only it can answer

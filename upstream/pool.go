@@ -55,9 +55,9 @@ type Encoder struct {
 	source   atomic.Pointer[string] // EncoderConfig.Source, as the fleet last said (changed in place)
 	draining atomic.Bool            // EncoderConfig.Draining, likewise
 
-	gen       atomic.Uint32         // Generation, as the config last said (a reload changes it in place)
-	warnedGen atomic.Bool           // the GEN0-shaped /encode warning was logged
-	outcomes  [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
+	gen      atomic.Uint32         // Generation, as the config last said (a reload changes it in place)
+	learned  learned               // what its answers taught (learn.go)
+	outcomes [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
 
 	// polls counts the long polls among inflight: metadata pulls and
 	// registrations of a part not known encoded (target.poll).
@@ -152,7 +152,8 @@ func (e *Encoder) State() string {
 	return "up"
 }
 
-// Generation returns the sglang generation e runs.
+// Generation returns encoders[].generation, the override of what is
+// learned (GenAuto when unset).
 func (e *Encoder) Generation() Generation { return generations[e.gen.Load()] }
 
 // Down reports whether e is out of service by active health (or forced
@@ -216,6 +217,12 @@ type target struct {
 	// part already encoded, answered at once) counts against the total
 	// only, and so keeps the share of it long polls may never take.
 	poll bool
+	// failedReg, for a registration of a part whose /encode this encoder
+	// failed, caps the try at affinity.failed_registration_wait: an
+	// encoder that takes it answers at once (and pushes its error frame
+	// to the rank); one that holds it is cut off there and the rank gets
+	// the remembered failure (Pool.endFailedRegistration). Zero otherwise.
+	failedReg time.Duration
 }
 
 // targetFor is e's target for route rt.

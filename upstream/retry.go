@@ -152,6 +152,8 @@ func DefaultRetry() RetryConfig {
 			Deadline:      retryDur(180 * time.Second),
 			RetryOn: []Condition{
 				{Kind: OnStatus, Status: 504, BodyContains: sglang.MetadataNotReady},
+				// A GEN1 DP encoder's words for the same wait (§12).
+				{Kind: OnStatus, Status: 504, BodyContains: sglang.DPMetadataTimedOut},
 				{Kind: OnConnectFailure},
 				{Kind: OnTimeout},
 			},

@@ -238,7 +238,7 @@ func TestValidate(t *testing.T) {
 			`retry.encode.retry_on[0]: /encode may only be retried on connect_failure or {status: 503, body_contains: "All encoder DP workers are dead."}: once an /encode was delivered, the encoder may have staged or pushed the embedding, and 4xx are final; got {status: 429}`},
 		{"metadata 4xx", func(c *RetryConfig) {
 			c.Metadata.RetryOn = append(c.Metadata.RetryOn, Condition{Kind: OnStatus, Status: 404, BodyContains: "x"})
-		}, `retry.metadata.retry_on[3]: 4xx answers are never retried: they are the caller's fault and do not change on retry; got {status: 404, body_contains: "x"}`},
+		}, `retry.metadata.retry_on[4]: 4xx answers are never retried: they are the caller's fault and do not change on retry; got {status: 404, body_contains: "x"}`},
 		{"receive_url 429", func(c *RetryConfig) { c.ReceiveURL.RetryOn[1] = Condition{Kind: OnStatus, Status: 429} },
 			"retry.receive_url.retry_on[1]: 4xx answers are never retried: they are the caller's fault and do not change on retry; got {status: 429}"},
 		{"receive_url 200", func(c *RetryConfig) { c.ReceiveURL.RetryOn[2] = Condition{Kind: OnStatus, Status: 200} },

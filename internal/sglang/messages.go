@@ -43,6 +43,15 @@ func AlreadyReleasedMessage(reqID string) string {
 	return "no staged embedding for req_id=" + reqID + " " + AlreadyReleased
 }
 
+// DPRankPrefix starts a GEN1 DP encoder's timeouts (§12): "Encoder DP
+// rank=R timed out after Xs" (an /encode), "Encoder DP rank=R metadata
+// wait timed out after Xs" (a metadata pull).
+const DPRankPrefix = "Encoder DP rank="
+
+// DPMetadataTimedOut is in a GEN1 DP encoder's 504 to a metadata pull
+// whose wait ran out: the same "not ready yet" as MetadataNotReady.
+const DPMetadataTimedOut = "metadata wait timed out"
+
 // UnknownReqID is a DP encoder's answer for a req_id no rank knows (404 on
 // the waits, 500 text on /send).
 const UnknownReqID = "Unknown req_id"
