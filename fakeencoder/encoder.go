@@ -27,6 +27,13 @@
 // a registration that comes before its /encode (no wait) and answers a
 // changed receive_count with 500 text (a failed assert).
 //
+// Options.Generation = Gen1 imitates GEN1 (protocol reference §12), and with
+// Options.DPSize > 1 its DP mode (gen1dp.go): a req_id → rank mapping set
+// by /encode, 404 "Unknown req_id" for follow-ups with none after
+// DPMappingWait, plain-text DP /send errors, and, with DPMappingRace, the
+// dispatcher bug that drops the mapping when a metadata pull completes while
+// a /send of the same req_id is in flight.
+//
 // Options.PushFrames makes zmq mode push ZMQ messages as sglang's
 // send_with_url and send do: to each URL registered for the part (or to
 // prefill_host:embedding_port), a two-frame message on success and a
