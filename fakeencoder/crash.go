@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"time"
 )
 
 // connState tracks the server's connections, so that a crash can reset
@@ -111,6 +112,7 @@ func (e *Encoder) Restart() error {
 	e.recv = map[string]*recvReg{}
 	e.lead504 = map[string]*lead504{}
 	e.dedupe = map[string]*inflight{}
+	e.dpRank, e.dpAt = map[string]int{}, map[string]time.Time{} // a restarted encoder's workers start empty
 	e.profile = profileState{}
 	refuse := e.faults.Refuse
 	e.down.Store(false)

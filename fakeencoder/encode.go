@@ -146,6 +146,9 @@ func (e *Encoder) encode(w http.ResponseWriter, r *http.Request, req *request, f
 	enter, id, ctx := time.Now(), req.id(), r.Context()
 	fail := failureHook(req.field("mm_items"))
 	e.mu.Lock()
+	if e.dp() {
+		e.dpAssignLocked(id)
+	}
 	st := e.acquireEncodeLocked(id)
 	e.mu.Unlock()
 	if !e.sleep(ctx, RouteEncode, e.Faults().MetadataDelay) {
@@ -237,6 +240,9 @@ func (e *Encoder) failEncode(w http.ResponseWriter, req *request, st *reqState, 
 	e.finishInflightLocked(st.id, first, nil)
 	e.releaseEncodeRefLocked(st)
 	e.publishLocked(st.id, metaEntry{hasErr: true, errMsg: f.msg})
+	if e.dp() {
+		e.dpDropLocked(st.id) // §12, runtime.py:946-957
+	}
 	switch {
 	case e.opts.Mode == ModeMooncake:
 		e.releaseLocked(st.id, true) // the error metadata stays until the sweep

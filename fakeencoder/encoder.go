@@ -27,6 +27,13 @@
 // a registration that comes before its /encode (no wait) and answers a
 // changed receive_count with 500 text (a failed assert).
 //
+// Options.Generation = Gen1 imitates GEN1 (protocol reference §12), and with
+// Options.DPSize > 1 its DP mode (gen1dp.go): a req_id → rank mapping set
+// by /encode, 404 "Unknown req_id" for follow-ups with none after
+// DPMappingWait, plain-text DP /send errors, and, with DPMappingRace, the
+// dispatcher bug that drops the mapping when a metadata pull completes while
+// a /send of the same req_id is in flight.
+//
 // Options.PushFrames makes zmq mode push ZMQ messages as sglang's
 // send_with_url and send do: to each URL registered for the part (or to
 // prefill_host:embedding_port), a two-frame message on success and a
@@ -110,7 +117,7 @@ const (
 	// reference §12): NEW's routes with partial /encode validation
 	// (validateGen1), non-DP /send exceptions answered as starlette's 500
 	// text, and /send refcounted by raw calls (Gen1 implies RefcountCalls).
-	// The DP-only differences of §12 are not imitated.
+	// With Options.DPSize > 1 it imitates GEN1's DP mode (gen1dp.go).
 	Gen1
 )
 
@@ -259,6 +266,25 @@ type Options struct {
 	// the same raw bytes as a recent successful one skips EncodeLatency
 	// (counted in Stats.CacheHits and CacheMisses). 0, the default, is off.
 	CacheItems int
+	// DPSize is GEN1's --dp-size: > 1 imitates GEN1's DP mode (protocol
+	// reference §2, §3, §12; see gen1dp.go), only with Generation Gen1.
+	// Default 1 (0 reads as 1): no DP.
+	DPSize int
+	// DPMappingWait bounds a DP metadata pull's or registration's wait for
+	// its req_id → rank mapping (with MetadataTimeout, whichever is
+	// shorter), then 404 "Unknown req_id". Default 5s, as sglang.
+	DPMappingWait time.Duration
+	// DPMappingRace imitates GEN1's DP dispatcher bug (§12): a metadata pull
+	// that completes while a /send of the same req_id is in flight drops the
+	// mapping and discards that /send's result (it answers 504 once
+	// MetadataTimeout, sglang's REQ_TIMEOUT, passed since its dispatch). Needs
+	// DPSize > 1. Off by default.
+	DPMappingRace bool
+	// SendHook, when set, is called by a DP /send (DPSize > 1) once it is
+	// dispatched (in flight at the encoder) and before the send itself.
+	// Tests block in it to hold a /send in flight; it must return once ctx
+	// is done.
+	SendHook func(ctx context.Context, reqID, destination string)
 	// Faults are the initial faults; change them with SetFaults.
 	Faults Faults
 }
@@ -339,21 +365,25 @@ type Encoder struct {
 	mu       sync.Mutex // protects everything below, up to lnMu
 	closed   bool
 	faults   Faults
-	states   map[string]*reqState  // sglang req_states
-	meta     map[string]*metaEntry // sglang EncoderMetaRegistry
-	sendDone map[string]*sendCount // registry _rid_to_send_done
-	recv     map[string]*recvReg   // rid_to_receive_endpoint/count
-	lead504  map[string]*lead504   // Faults.Leading504s counters
-	dedupe   map[string]*inflight  // Gen0 mooncake /encode dedupe by req_id
-	watches  map[string]*watch     // per-req_id wake-up channels
-	waiting  map[string]int        // route -> handlers blocked now
-	stats    statsData             // counters behind Stats
-	profile  profileState          // /start_profile, /stop_profile
-	sweeping bool                  // sweeper goroutine started
-	crashN   int                   // requests counted towards Faults.CrashAt
-	healthN  int                   // health answers counted for Faults.HealthFlap
-	inflight sync.WaitGroup        // handlers running; Add only under mu (never while down or closed)
-	bg       sync.WaitGroup        // sweeper, servers, background sends
+	states   map[string]*reqState            // sglang req_states
+	meta     map[string]*metaEntry           // sglang EncoderMetaRegistry
+	sendDone map[string]*sendCount           // registry _rid_to_send_done
+	recv     map[string]*recvReg             // rid_to_receive_endpoint/count
+	lead504  map[string]*lead504             // Faults.Leading504s counters
+	dedupe   map[string]*inflight            // Gen0 mooncake /encode dedupe by req_id
+	dpRank   map[string]int                  // GEN1 DP: req_id -> rank
+	dpAt     map[string]time.Time            // GEN1 DP: when the mapping was set
+	dpNext   int                             // GEN1 DP: next rank, round robin
+	dpSends  map[string]map[*dpSend]struct{} // GEN1 DP: /send in flight per req_id
+	watches  map[string]*watch               // per-req_id wake-up channels
+	waiting  map[string]int                  // route -> handlers blocked now
+	stats    statsData                       // counters behind Stats
+	profile  profileState                    // /start_profile, /stop_profile
+	sweeping bool                            // sweeper goroutine started
+	crashN   int                             // requests counted towards Faults.CrashAt
+	healthN  int                             // health answers counted for Faults.HealthFlap
+	inflight sync.WaitGroup                  // handlers running; Add only under mu (never while down or closed)
+	bg       sync.WaitGroup                  // sweeper, servers, background sends
 
 	down   atomic.Bool // crashed and not yet restarted; set under mu
 	connMu sync.Mutex  // protects conns
@@ -391,6 +421,9 @@ func New(opts Options) *Encoder {
 		recv:     map[string]*recvReg{},
 		lead504:  map[string]*lead504{},
 		dedupe:   map[string]*inflight{},
+		dpRank:   map[string]int{},
+		dpAt:     map[string]time.Time{},
+		dpSends:  map[string]map[*dpSend]struct{}{},
 		watches:  map[string]*watch{},
 		waiting:  map[string]int{},
 		stats:    newStatsData(),
@@ -414,6 +447,12 @@ func (o *Options) setDefaults() {
 		if *d <= 0 {
 			*d = DefaultTimeout
 		}
+	}
+	if o.DPSize == 0 {
+		o.DPSize = 1
+	}
+	if o.DPMappingWait <= 0 {
+		o.DPMappingWait = DefaultDPMappingWait
 	}
 	if o.TokensPerItem <= 0 {
 		o.TokensPerItem = DefaultTokensPerItem
@@ -464,6 +503,9 @@ func (e *Encoder) listen(addr string) error {
 	defer e.lnMu.Unlock()
 	if e.srv != nil {
 		return errors.New("fakeencoder: already started")
+	}
+	if err := e.opts.Validate(); err != nil {
+		return err
 	}
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
@@ -643,6 +685,9 @@ func (o *Options) BindFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.RegistrationAttempts, "registration-attempts", o.RegistrationAttempts, "registration attempts per bootstrap URL before giving up (0 = 30, as sglang)")
 	fs.DurationVar(&o.RegistrationTimeout, "registration-timeout", o.RegistrationTimeout, "timeout of one POST /register_encoder_url (0 = 5s, as sglang)")
 	fs.DurationVar(&o.UnregistrationTimeout, "unregistration-timeout", o.UnregistrationTimeout, "timeout of one DELETE /unregister_encoder_url at exit (0 = 2s, as sglang)")
+	fs.IntVar(&o.DPSize, "dp-size", o.DPSize, "with --generation gen1: imitate GEN1's DP mode with N ranks (protocol reference §2, §12); 1 = no DP")
+	fs.DurationVar(&o.DPMappingWait, "dp-mapping-wait", o.DPMappingWait, "DP: longest wait of a metadata pull or registration for its req_id's rank (capped by --metadata-timeout) before 404 Unknown req_id")
+	fs.BoolVar(&o.DPMappingRace, "dp-mapping-race", o.DPMappingRace, "DP: imitate GEN1's dispatcher bug (§12): a metadata pull completing while a /send of the same req_id is in flight drops the mapping and that /send answers 504 after --metadata-timeout")
 	fs.IntVar(&o.CacheItems, "cache-items", o.CacheItems, "media cache entries, as --enable-prefix-mm-cache: an /encode with the same mm_items bytes as a cached one skips --encode-latency (0 = off)")
 	o.Faults.bindFlags(fs)
 }

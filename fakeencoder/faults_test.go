@@ -251,7 +251,7 @@ func TestBindFlags(t *testing.T) {
 	want := Options{
 		Name: "e1", Mode: ModeZMQ, EncodeLatency: 5 * time.Millisecond, MetadataTimeout: 2 * time.Second,
 		RegisterTimeout: DefaultTimeout, SendTimeout: DefaultTimeout, SweepAfter: time.Minute, RefcountCalls: true,
-		TokensPerItem: DefaultTokensPerItem, Dim: DefaultDim, ElementSize: DefaultElementSize,
+		TokensPerItem: DefaultTokensPerItem, Dim: DefaultDim, ElementSize: DefaultElementSize, DPSize: 1, DPMappingWait: DefaultDPMappingWait,
 		Faults: Faults{
 			Latency: time.Millisecond, MetadataDelay: 3 * time.Millisecond, Leading504s: 2, FailureRate: 0.25,
 			FailStatus: 503, FailMessage: "boom", FailRoutes: []string{RouteSend, RouteEncode},

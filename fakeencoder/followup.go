@@ -51,6 +51,10 @@ func (e *Encoder) handleSend(w http.ResponseWriter, r *http.Request, req *reques
 		writeInternalError(w) // KeyError outside the try block
 		return
 	}
+	if e.dp() {
+		e.handleSendDP(w, r, req)
+		return
+	}
 	id := req.id()
 	dest := destination(req.field("prefill_host"), req.field("embedding_port"))
 	e.mu.Lock()
@@ -169,14 +173,27 @@ func (e *Encoder) handleMetadata(w http.ResponseWriter, r *http.Request, req *re
 		writeEnvelope(w, http.StatusGatewayTimeout, "encode metadata not ready", req.rawID)
 		return
 	}
+	rank := -1
+	if e.dp() {
+		var ok bool
+		if rank, ok = e.dpRankOf(w, r, RouteMetadata, req); !ok {
+			return
+		}
+	}
 	e.mu.Lock()
 	res := e.waitLocked(r.Context(), RouteMetadata, id, e.opts.MetadataTimeout, func() bool { return e.meta[id] != nil })
 	var m metaEntry
 	if p := e.meta[id]; p != nil {
 		m = *p
 	}
+	if res == waitOK && rank >= 0 {
+		e.dpMetadataDoneLocked(id)
+	}
 	e.mu.Unlock()
 	switch {
+	case res == waitTimeout && rank >= 0:
+		writeEnvelope(w, http.StatusGatewayTimeout, fmt.Sprintf("Encoder DP rank=%d metadata wait timed out after %ss",
+			rank, pySeconds(e.opts.MetadataTimeout)), req.rawID)
 	case res == waitTimeout:
 		writeEnvelope(w, http.StatusGatewayTimeout, "encode metadata not ready", req.rawID)
 	case res != waitOK:
@@ -229,6 +246,11 @@ func (e *Encoder) handleRegister(w http.ResponseWriter, r *http.Request, req *re
 	if req.idVal == nil || count == nil || url == nil {
 		writeInternalError(w) // KeyError outside the try block
 		return
+	}
+	if e.dp() {
+		if _, ok := e.dpRankOf(w, r, RouteRegister, req); !ok {
+			return
+		}
 	}
 	e.register(r, req.id(), count, url).write(w, req.rawID)
 }

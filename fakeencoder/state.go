@@ -302,6 +302,11 @@ func (e *Encoder) sweep(now time.Time) {
 			e.registryReleaseLocked(id)
 		}
 	}
+	for id, at := range e.dpAt { // GEN1 DP: stale mappings (§2, SEND_TIMEOUT)
+		if now.Sub(at) > e.opts.SendTimeout {
+			e.dpDropLocked(id)
+		}
+	}
 	for id, l := range e.lead504 {
 		if now.Sub(l.at) > e.opts.SweepAfter {
 			delete(e.lead504, id)
