@@ -965,3 +965,53 @@ func TestMixedFleetFailedZmqEncodesReachEveryRank(t *testing.T) {
 		}
 	}
 }
+
+// Issue 27, must-show "DP texts", against GEN1's DP mode (§12) over real
+// sockets, no generation key. A metadata pull that comes before its
+// /encode waits for the part's pin in the gateway (affinity.unknown_wait;
+// the test sends the /encode once the pull is parked there, as a rank 4 s
+// early would be) and ends 200. The DP encoder's own words for "not ready
+// yet" are in the default metadata retry_on and never a breaker fault
+// (TestDPNotReadyTextsAreRetriedNotFaults in upstream).
+func TestGen1DPPullBeforeItsEncodeEnds200(t *testing.T) {
+	encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) {
+		o.Generation, o.DPSize, o.DPMappingWait = fakeencoder.Gen1, 2, 100*time.Millisecond
+	})
+	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Health.Disabled = true
+		c.Affinity.UnknownWait = configfile.Duration(time.Second)
+	})
+	cs := newCallers(t)
+	const id = "dp-early_local_part_0"
+	pull := cs.post(g.base+"/scheduler_receive_meta_data", metaBody(id))
+	eventually(t, "the pull to wait for the pin", func() bool { return g.Pool().Pins.Waiting() == 1 })
+	if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
+		t.Fatalf("/encode: %d %s", a.status, a.body)
+	}
+	a := await(t, "the early pull", pull)
+	if a.status != 200 || !strings.Contains(a.body, `"embedding_size":`) {
+		t.Fatalf("the early pull: %d %s", a.status, a.body)
+	}
+	// Its /send: the DP fake answers with the encoder's null.
+	for port := 40000; port < 40002; port++ {
+		if a := post(t, g.base+"/send", sendBody(id, port)); a.status != 200 {
+			t.Fatalf("/send %d: %d %s", port, a.status, a.body)
+		}
+	}
+	e := g.Pool().Encoders()[0]
+	if c := e.Breaker.Counts(); c.TotalFailures != 0 {
+		t.Fatalf("breaker counts %+v", c)
+	}
+	// A pull for a part nobody encoded: the DP encoder's 404 after its
+	// mapping wait passes through, teaches dp, and is no fault.
+	a = post(t, g.base+"/scheduler_receive_meta_data", metaBody("nobody_local_part_0"))
+	if a.status != 404 || !strings.Contains(a.body, "Unknown req_id") {
+		t.Fatalf("pull of an unknown part: %d %s", a.status, a.body)
+	}
+	if l := e.Learned(); l.DP != upstream.Yes || l.ServesMetadata != upstream.Yes || l.Guess != "gen1" {
+		t.Fatalf("learned %+v", l)
+	}
+	if c := e.Breaker.Counts(); c.TotalFailures != 0 {
+		t.Fatalf("breaker counts %+v", c)
+	}
+}

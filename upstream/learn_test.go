@@ -50,3 +50,24 @@ func TestLearnedFactsAndForgetting(t *testing.T) {
 		t.Fatal("the gen1 override should forward over what was learned")
 	}
 }
+
+// GEN1 DP's words for "not ready yet" (§12) are retried under the default
+// metadata policy, like "encode metadata not ready", and never count
+// against the breaker.
+func TestDPNotReadyTextsAreRetriedNotFaults(t *testing.T) {
+	pol := DefaultRetry().Metadata
+	for _, body := range []string{
+		`{"status":"error","message":"encode metadata not ready","req_id":"r"}`,
+		`{"status":"error","message":"Encoder DP rank=1 metadata wait timed out after 180.0s","req_id":"r"}`,
+	} {
+		v := Judge(sglang.RouteMetadata, &pol, nil, Target{Encoder: "e"}, Observation{Status: 504, Body: []byte(body)})
+		if !v.Retry || v.Breaker == MarkFault || v.Cause != CauseExpired {
+			t.Errorf("%s: retry %v, breaker %s, cause %s", body, v.Retry, v.Breaker, v.Cause)
+		}
+	}
+	v := Judge(sglang.RouteMetadata, &pol, nil, Target{Encoder: "e"}, Observation{Status: 404,
+		Body: []byte(`{"status":"error","message":"Unknown req_id: r","req_id":"r"}`)})
+	if v.Breaker == MarkFault {
+		t.Errorf("404 Unknown req_id: breaker %s", v.Breaker)
+	}
+}
