@@ -1015,3 +1015,85 @@ func TestGen1DPPullBeforeItsEncodeEnds200(t *testing.T) {
 		t.Fatalf("breaker counts %+v", c)
 	}
 }
+
+// Issue 27, must-show "the race": GEN1's DP dispatcher drops a part's
+// req_id → rank mapping when a sibling rank's metadata pull is answered
+// while a /send of the part is in flight (§12, an sglang bug): that /send's
+// result is discarded (504 after REQ_TIMEOUT) and the sibling's /send gets
+// 500 Unknown req_id. The race-reproducing fake, TP=2, rank B skewed so
+// that it pulls while rank A's /send is held in flight, 50 parts. Directly,
+// every part breaks. Through the gateway, rank B's pull is answered from
+// rank A's (affinity.metadata_cache) and never reaches the encoder, so
+// both ranks' /sends succeed for every part.
+func TestGen1DPMappingRaceCannotBeTriggeredThroughTheGateway(t *testing.T) {
+	const parts = 50
+	setup := func(t *testing.T) (*fakeencoder.Encoder, chan string, chan struct{}) {
+		entered, release := make(chan string, 1), make(chan struct{})
+		encs := startFakes(t, 1, func(_ int, o *fakeencoder.Options) {
+			o.Generation, o.DPSize, o.DPMappingRace = fakeencoder.Gen1, 2, true
+			o.MetadataTimeout = 100 * time.Millisecond // REQ_TIMEOUT: the discarded /send's 504 comes after it
+			o.SendHook = func(ctx context.Context, id, dest string) {
+				if !strings.HasSuffix(dest, ":40000") {
+					return
+				}
+				entered <- id
+				select {
+				case <-release:
+				case <-ctx.Done():
+				}
+			}
+		})
+		return encs[0], entered, release
+	}
+	run := func(t *testing.T, base string, entered chan string, release chan struct{}) (ok int, broken []string) {
+		cs := newCallers(t)
+		for i := range parts {
+			id := fmt.Sprintf("race-%d_local_part_0", i)
+			if a := post(t, base+"/encode", encodeBody(id)); a.status != 200 {
+				t.Fatalf("%s /encode: %d %s", id, a.status, a.body)
+			}
+			if a := post(t, base+"/scheduler_receive_meta_data", metaBody(id)); a.status != 200 {
+				t.Fatalf("%s rank A's pull: %d %s", id, a.status, a.body)
+			}
+			sendA := cs.post(base+"/send", sendBody(id, 40000))
+			if got := <-entered; got != id {
+				t.Fatalf("the hook holds %q", got)
+			}
+			pullB := post(t, base+"/scheduler_receive_meta_data", metaBody(id)) // skewed: while A's /send is in flight
+			release <- struct{}{}
+			a := await(t, id+" rank A's /send", sendA)
+			b := post(t, base+"/send", sendBody(id, 40001))
+			if pullB.status == 200 && a.status == 200 && b.status == 200 {
+				ok++
+			} else {
+				broken = append(broken, fmt.Sprintf("%s: pull B %d, /send A %d %q, /send B %d %q", id, pullB.status, a.status, a.body, b.status, b.body))
+			}
+		}
+		return ok, broken
+	}
+	t.Run("direct", func(t *testing.T) {
+		fake, entered, release := setup(t)
+		ok, broken := run(t, fake.URL(), entered, release)
+		if ok != 0 {
+			t.Errorf("%d of %d parts survived the race directly, want none", ok, parts)
+		}
+		if len(broken) > 0 {
+			t.Logf("directly: %d of %d parts broken, e.g. %s", len(broken), parts, broken[0])
+		}
+	})
+	t.Run("through the gateway", func(t *testing.T) {
+		fake, entered, release := setup(t)
+		g := startGateway(t, []string{fake.URL()}, func(c *Config) { c.Health.Disabled = true })
+		ok, broken := run(t, g.base, entered, release)
+		if ok != parts {
+			t.Errorf("through the gateway %d of %d parts succeeded; %d broken, the first: %s", ok, parts, len(broken), broken[0])
+		}
+		st := fake.Stats()
+		t.Logf("through the gateway: %d of %d parts, both ranks ok; the encoder saw %d metadata pulls for %d parts",
+			ok, parts, st.Routes["/scheduler_receive_meta_data"], parts)
+		e := g.Pool().Encoders()[0]
+		if c := e.Breaker.Counts(); c.TotalFailures != 0 {
+			t.Errorf("breaker counts %+v", c)
+		}
+	})
+}
