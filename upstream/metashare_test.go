@@ -192,6 +192,11 @@ func TestMetadataPullsShareOneRoundTrip(t *testing.T) {
 		t.Errorf("requests counted %g, want 1", got)
 	}
 
+	// Only the leader's exchange is told to the breaker.
+	if got := testutil.ToFloat64(e0.outcomes[MarkSuccess]); got != 1 {
+		t.Errorf("breaker successes %g, want 1", got)
+	}
+
 	// A later pull: answered from the kept 200.
 	c := pullCall(id, 0)
 	if res := p.Exchange(c); res.Verdict.Status != 200 || c.Resp.StatusCode() != 200 {
@@ -302,6 +307,27 @@ func TestMetadataWaiterHonoursDone(t *testing.T) {
 	if n := p.meta.Len(); n != 1 {
 		t.Errorf("%d answers kept, want 1", n)
 	}
+}
+
+// A waiter stops at its own try timeout, judged as a pull that ran out.
+func TestMetadataWaiterHonoursItsTryTimeout(t *testing.T) {
+	enc := newMetaEncoder(t, "enc-0", true)
+	p, _ := metaPool(t, 64, "enc-0", enc.srv.URL)
+	e0, _ := p.Lookup("enc-0")
+	id := "req-e_local_part_0"
+	p.Pins.Set(id, "enc-0", e0.ID())
+	leadDone := make(chan Result, 1)
+	go func() { leadDone <- p.Exchange(pullCall(id, 0)) }()
+	<-enc.arrived
+	wDone := make(chan Result, 1)
+	go func() { wDone <- p.Exchange(pullCall(id, 0)) }()
+	waitFlightWaiters(t, p, 1)
+	p.clk.(*clock.Fake).Advance(DefaultRetry().Metadata.PerTryTimeout.D())
+	if v := (<-wDone).Verdict; v.Kind != KindTimeout || v.Cause != CauseExpired {
+		t.Errorf("the waiter past its try: %v cause %v, want a timeout that expired", v.Kind, v.Cause)
+	}
+	enc.open()
+	<-leadDone
 }
 
 // TestMetadataShareRoundTrips prints the encoder round trips per part for
