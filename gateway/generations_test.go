@@ -472,6 +472,7 @@ func TestNewFailedPartsPullsLeaveTheBreakerClosed(t *testing.T) {
 				c.Health.Disabled = true
 				c.Breaker.ConsecutiveFailures = 3
 				c.Affinity.UnknownWait = 0 // the pulls go to the owner and wait there
+				c.Affinity.MetadataCache = 0 // six pulls at the encoder, not one shared
 			})
 			cs := newCallers(t)
 			const id = "tp6new_local_part_0"

@@ -456,13 +456,15 @@ func TestAffinityValidateNamesTheField(t *testing.T) {
 		t.Fatalf("the defaults: %v", err)
 	}
 	d := DefaultAffinity()
-	if d.EncodeBy != EncodeByReqID || d.LoadFactor != 1.25 {
-		t.Errorf("defaults: encode_by %q load_factor %g, want req_id and 1.25", d.EncodeBy, d.LoadFactor)
+	if d.EncodeBy != EncodeByReqID || d.LoadFactor != 1.25 || d.MetadataCache != 65536 {
+		t.Errorf("defaults: encode_by %q load_factor %g metadata_cache %d, want req_id, 1.25 and 65536",
+			d.EncodeBy, d.LoadFactor, d.MetadataCache)
 	}
 	for _, good := range []func(*AffinityConfig){
 		func(c *AffinityConfig) { c.EncodeBy = EncodeByContent },
 		func(c *AffinityConfig) { c.LoadFactor = 10 },
 		func(c *AffinityConfig) { c.LoadFactor = 1.01 },
+		func(c *AffinityConfig) { c.MetadataCache = 0 },
 	} {
 		if err := ok(good); err != nil {
 			t.Errorf("refused: %v", err)
@@ -478,6 +480,7 @@ func TestAffinityValidateNamesTheField(t *testing.T) {
 		{func(c *AffinityConfig) { c.LoadFactor = 0 }, "affinity.load_factor: must be > 1.0 and <= 10, got 0"},
 		{func(c *AffinityConfig) { c.LoadFactor = 10.5 }, "affinity.load_factor: must be > 1.0 and <= 10, got 10.5"},
 		{func(c *AffinityConfig) { c.LoadFactor = math.NaN() }, "affinity.load_factor: must be > 1.0 and <= 10, got NaN"},
+		{func(c *AffinityConfig) { c.MetadataCache = -1 }, "affinity.metadata_cache: must be >= 0 (0 disables sharing), got -1"},
 	} {
 		err := ok(c.mut)
 		if err == nil || err.Error() != c.want {

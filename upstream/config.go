@@ -121,6 +121,15 @@ type AffinityConfig struct {
 	// loads", as HAProxy's hash-balance-factor). Closer to 1 spreads load
 	// more evenly and keeps fewer repeats on their cache.
 	LoadFactor float64 `yaml:"load_factor"`
+	// MetadataCache bounds the metadata pull answers kept for sharing
+	// (default 65,536): every receiver TP rank of a part pulls the same
+	// metadata, and a part's pulls reach its encoder once per replica.
+	// While one is at the encoder the others of the same req_id, part_idx
+	// and encoder wait for its answer; a 200 is kept and answers later ones
+	// until the req_id's /encode is placed again. This shields a GEN1 DP
+	// encoder from a sibling rank's pull answered while the part's /send
+	// is in flight (protocol reference §12). 0 disables sharing entirely.
+	MetadataCache int `yaml:"metadata_cache"`
 }
 
 // Placements (AffinityConfig.EncodeBy).
@@ -164,6 +173,7 @@ func DefaultAffinity() AffinityConfig {
 		MaxPins:                1_000_000,
 		EncodeBy:               EncodeByReqID,
 		LoadFactor:             1.25,
+		MetadataCache:          65536,
 	}
 }
 
@@ -250,6 +260,9 @@ func (c AffinityConfig) Validate(p *configfile.Problems, path string) {
 	}
 	if c.MaxPins < 1 {
 		p.Addf(path+".max_pins", "must be >= 1, got %d", c.MaxPins)
+	}
+	if c.MetadataCache < 0 {
+		p.Addf(path+".metadata_cache", "must be >= 0 (0 disables sharing), got %d", c.MetadataCache)
 	}
 	if c.EncodeBy != EncodeByReqID && c.EncodeBy != EncodeByContent {
 		p.Addf(path+".encode_by", "must be %s or %s, got %q", EncodeByReqID, EncodeByContent, c.EncodeBy)

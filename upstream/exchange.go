@@ -210,10 +210,25 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 		*v = noTimeVerdict(c.Route, t.name)
 		return
 	}
+	var fl *metaFlight
+	if c.Route == sglang.RouteMetadata && p.meta != nil {
+		var o Observation
+		var served bool
+		if fl, served = p.meta.join(c, t.enc.id, timeout, &o); served {
+			// Another pull's exchange: judged here as this call's own, but
+			// neither told to the breaker nor counted as a request.
+			*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
+			v.Breaker = MarkNone
+			return
+		}
+	}
 	done, admitted := t.enc.Breaker.Allow()
 	if !admitted && t.place != nil {
-		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name,
-			Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}})
+		o := Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}}
+		if fl != nil {
+			p.meta.finish(fl, c.Resp, o)
+		}
+		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
 	} else {
 		c.Resp.Reset()
 		req := fasthttp.AcquireRequest()
@@ -231,6 +246,9 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 		o := Observation{Err: err}
 		if err == nil {
 			o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
+		}
+		if fl != nil {
+			p.meta.finish(fl, c.Resp, o)
 		}
 		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
 		if !t.name.Agent {
@@ -384,6 +402,9 @@ func (s *ranked) place(e *Encoder) bool {
 	}
 	if ok {
 		s.placed = e
+		if s.p.meta != nil {
+			s.p.meta.drop(id) // the encoder's answers to an earlier /encode of it no longer hold
+		}
 		return true
 	}
 	s.lost = true

@@ -31,6 +31,8 @@ type poolMetrics struct {
 	budgetExhausted *prometheus.CounterVec // route
 	backoff         prometheus.Histogram
 
+	metaShared *prometheus.CounterVec // how
+
 	// hot caches requests{encoder, route, code="200"} by hotKey, so the
 	// common answer skips the vector's label hashing. Bounded by the
 	// configured names times the routes; forget drops a name's entries.
@@ -121,8 +123,14 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Help:    "Waits before retries.",
 			Buckets: prometheus.ExponentialBucketsRange(0.001, 30, 14),
 		}),
+		metaShared: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "encgate_metadata_pulls_shared_total",
+			Help: "Metadata pull attempts answered without a round trip of their own (affinity.metadata_cache), by how: inflight (took the answer of the same part's pull already at the encoder) or answered (a kept 200 of that part and encoder).",
+		}, []string{"how"}),
 	}
-	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff)
+	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff, m.metaShared)
+	m.metaShared.WithLabelValues(SharedInflight)
+	m.metaShared.WithLabelValues(SharedAnswered)
 	for _, r := range sglang.RetryLabels {
 		m.budgetExhausted.WithLabelValues(r)
 	}

@@ -417,6 +417,7 @@ type Pool struct {
 	aff  AffinityConfig
 	Pins *PinTable
 	m    *poolMetrics
+	meta *metaShare // affinity.metadata_cache; nil: off
 
 	fleet    atomic.Pointer[fleet]
 	reloadMu sync.Mutex                     // serialises Reload
@@ -457,6 +458,7 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		done: make(chan struct{}),
 	}
 	p.ejections = &ejectionGate{p: p, ejected: map[*Breaker]bool{}}
+	p.meta = newMetaShare(aff.MetadataCache, clk, p.m)
 	if p.rand == nil {
 		p.rand = rand.Float64
 	}
