@@ -1,9 +1,17 @@
 package upstream
 
 import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/sglang"
 )
 
@@ -69,5 +77,52 @@ func TestDPNotReadyTextsAreRetriedNotFaults(t *testing.T) {
 		Body: []byte(`{"status":"error","message":"Unknown req_id: r","req_id":"r"}`)})
 	if v.Breaker == MarkFault {
 		t.Errorf("404 Unknown req_id: breaker %s", v.Breaker)
+	}
+}
+
+// A DP encoder answers a pull or registration 404 "Unknown req_id" when the
+// part's /encode has not reached it within its mapping wait (§2, §12).
+// While the part's pin is pending (its /encode in flight) that is "not
+// ready yet" and the pull is retried; with no pin (the pull already waited
+// affinity.unknown_wait for one) the 404 passes at once.
+func TestUnknownReqIDWhileEncodePendingIsRetried(t *testing.T) {
+	var unknowns atomic.Int64
+	unknowns.Store(2)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		if unknowns.Add(-1) >= 0 {
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprint(w, `{"status":"error","message":"Unknown req_id: r_local_part_0","req_id":"r_local_part_0"}`)
+			return
+		}
+		fmt.Fprint(w, `{"req_id":"r_local_part_0","part_idx":0,"embedding_size":8,"embedding_len":1,"embedding_dim":2}`)
+	}))
+	t.Cleanup(srv.Close)
+	aff := DefaultAffinity()
+	aff.UnknownWait = 0
+	aff.MetadataCache = 0
+	p, err := NewPool(testSettings("e", srv.URL), aff, Deps{Log: zap.NewNop(), Registry: prometheus.NewRegistry(),
+		Clock: clock.NewFake(time.Unix(1e9, 0)), Rand: func() float64 { return 0 }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+
+	c := pullCall("none_local_part_0", 0)
+	if res := p.Exchange(c); res.Attempts != 1 || res.Verdict.Status != 404 {
+		t.Fatalf("no pin: %d attempts, status %d; want the 404 at once", res.Attempts, res.Verdict.Status)
+	}
+	unknowns.Store(2)
+	e := p.Encoders()[0]
+	if _, ok := p.Pins.Place("r_local_part_0", e.Name, e.id); !ok {
+		t.Fatal("place")
+	}
+	c = pullCall("r_local_part_0", 0)
+	res := p.Exchange(c)
+	if res.Attempts != 3 || res.Verdict.Status != 200 {
+		t.Fatalf("pending pin: %d attempts, status %d %s; want two 404s retried, then 200", res.Attempts, res.Verdict.Status, c.Resp.Body())
+	}
+	if cnt := e.Breaker.Counts(); cnt.TotalFailures != 0 {
+		t.Fatalf("breaker counts %+v", cnt)
 	}
 }
