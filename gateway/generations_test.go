@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -471,7 +472,7 @@ func TestNewFailedPartsPullsLeaveTheBreakerClosed(t *testing.T) {
 			g := startGateway(t, fakeURLs(encs), func(c *Config) {
 				c.Health.Disabled = true
 				c.Breaker.ConsecutiveFailures = 3
-				c.Affinity.UnknownWait = 0 // the pulls go to the owner and wait there
+				c.Affinity.UnknownWait = 0   // the pulls go to the owner and wait there
 				c.Affinity.MetadataCache = 0 // six pulls at the encoder, not one shared
 			})
 			cs := newCallers(t)
@@ -964,6 +965,54 @@ func TestMixedFleetFailedZmqEncodesReachEveryRank(t *testing.T) {
 		if r.Learned.TakesFailedRegistration == upstream.Unknown {
 			t.Errorf("%s: nothing learned in /admin/upstreams: %+v", r.Name, r.Learned)
 		}
+	}
+
+	// A rolling upgrade: the NEW-style encoder stops, and a GEN1 one comes
+	// up at its URL. The first exchange that cannot reach it (a dial
+	// failure) forgets what was learned; that /encode goes to the next
+	// encoder, which answers it, so nothing is lost meanwhile. The newcomer's first failed
+	// part then teaches afresh: its ranks' registrations are forwarded and
+	// hear the GEN1 encoder's own frame.
+	nw := slices.Index(gens, fakeencoder.GenNew)
+	name := fmt.Sprintf("enc-%d", nw)
+	addr := strings.TrimPrefix(encs[nw].URL(), "http://")
+	encs[nw].Crash()
+	e, _ := g.Pool().Lookup(name)
+	for i := 0; e.Learned().Forgotten == 0; i++ {
+		if i > 200 {
+			t.Fatal("no /encode tried the stopped encoder")
+		}
+		id := fmt.Sprintf("down-%d_local_part_0", i)
+		// zmq: a good /encode waits for its ranks' registrations, a failing
+		// one is answered at once, by whichever encoder took it.
+		if a := post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:bad media")); a.status != 400 || a.header.Get("X-Encgate-Encoder") == name {
+			t.Fatalf("/encode %s while %s is down: %d from %q %s", id, name, a.status, a.header.Get("X-Encgate-Encoder"), a.body)
+		}
+	}
+	if l := e.Learned(); l.TakesFailedRegistration != upstream.Unknown {
+		t.Fatalf("after the dial failure: learned %+v", l)
+	}
+	up := fakeencoder.New(fakeencoder.Options{Name: name, Mode: fakeencoder.ModeZMQ, PushFrames: true, Generation: fakeencoder.Gen1})
+	if err := up.Start(addr); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = up.Close() })
+	id := ownedBy(t, g, name, "upgraded")
+	msg := "Error while loading data https://x/upgraded.png: 404"
+	a := post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:"+msg))
+	wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
+	if got := a.header.Get("X-Encgate-Encoder"); got != name {
+		t.Fatalf("the upgraded part went to %q", got)
+	}
+	sinks := zmqRanks(t, tp)
+	for rank, s := range sinks {
+		if a := post(t, g.base+"/scheduler_receive_url", registerBody(id, sinkURL(s), tp)); a.status != 200 || a.body != "null" {
+			t.Fatalf("upgraded rank %d's registration: %d %s", rank, a.status, a.body)
+		}
+	}
+	wantErrorFrames(t, up, sinks, id, msg, http.StatusBadRequest)
+	if l := e.Learned(); l.TakesFailedRegistration != upstream.Yes || l.Forgotten != 1 {
+		t.Fatalf("after the upgrade: learned %+v", l)
 	}
 }
 
