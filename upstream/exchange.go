@@ -138,7 +138,11 @@ func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *R
 		// whole per-try timeout after the last, so they cannot storm, and
 		// charging them would fail thousands of held pulls at once in a
 		// slow encode. The encoder's own quick 504s (a storm) still pay.
-		if !heldPollExpired(&res.Verdict) && !budget.Retry() {
+		// Nor does a retry after a shared answer (another rank's pull of
+		// the same part): every rank of the part shares that one
+		// exchange's "not ready", and their retries share one again, so
+		// charging each would spend the budget TP times for one round trip.
+		if !heldPollExpired(&res.Verdict) && !res.Verdict.Shared && !budget.Retry() {
 			p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
 			return
 		}
@@ -218,7 +222,7 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 			// Another pull's exchange: judged here as this call's own, but
 			// neither told to the breaker nor counted as a request.
 			*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
-			v.Breaker = MarkNone
+			v.Breaker, v.Shared = MarkNone, true
 			return
 		}
 	}

@@ -163,6 +163,9 @@ type Verdict struct {
 	Label string
 	// Encoder names the encoder the outcome concerns ("" when none).
 	Encoder string
+	// Shared: the answer is another call's exchange (a metadata pull of
+	// the same part, metashare.go); this call sent nothing itself.
+	Shared bool
 }
 
 // Target is where an exchange goes: an encoder, or its node's agent.
