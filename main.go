@@ -27,6 +27,7 @@ import (
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/internal/listener"
 
 	// The image (deploy/image) is built from scratch and holds no CA
 	// certificates: crypto/x509 uses these roots (Mozilla's, kept by
@@ -133,7 +134,7 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
 	if err != nil {
 		log.Error("building gateway", zap.Error(err))
-		if _, ok := errors.AsType[*gateway.DescriptorError](err); ok {
+		if _, ok := errors.AsType[*listener.DescriptorError](err); ok {
 			return 2 // the config cannot fit RLIMIT_NOFILE: a config error
 		}
 		return 1

@@ -49,6 +49,7 @@ import (
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
@@ -931,7 +932,7 @@ func TestKubeEncgateContainers(t *testing.T) {
 			}
 			out, err := exec.Command(bin, sub, "--config", p, "--check").CombinedOutput()
 			if err != nil {
-				var tooSmall *gateway.DescriptorError
+				var tooSmall *listener.DescriptorError
 				if sub == "gateway" {
 					if _, derr := gateway.Descriptors(cfg.(gateway.Config), nil, false); errors.As(derr, &tooSmall) {
 						t.Logf("--check refused the config on this machine's RLIMIT_NOFILE only: %s", out)

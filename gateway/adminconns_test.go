@@ -16,6 +16,7 @@ import (
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/listener"
 )
 
 // testBound is how long a test waits for the gateway to do what it must do
@@ -161,8 +162,8 @@ func TestAdminReadTimeoutDoesNotCutALongHandler(t *testing.T) {
 	})
 	cfg := DefaultConfig().Admin
 	cfg.ReadTimeout = configfile.Duration(200 * time.Millisecond)
-	conns := newConnLimiter(listenerOptions{name: "admin", max: 8, linger: 1, key: "admin.max_conns", what: "admin connections", one: "admin connection",
-		counter: "c"}, clock.Real{}, zap.NewNop(), newAcceptErrors(prometheus.NewRegistry()))
+	conns := listener.NewLimiter(listener.Options{Name: "admin", Max: 8, Linger: 1, Key: "admin.max_conns", What: "admin connections", One: "admin connection",
+		Counter: "c"}, clock.Real{}, zap.NewNop(), listener.NewAcceptErrors(prometheus.NewRegistry()))
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -1,110 +1,19 @@
 package gateway
 
 import (
-	"errors"
 	"fmt"
-	"sort"
-	"strings"
-
-	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/fdlimit"
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/redisclient"
 )
-
-// descriptorMargin is what the process opens for itself besides the
-// connections the config bounds: stdin, stdout and stderr, the poller's
-// epoll and wake-up descriptors, the process collector's /proc reads, the
-// config file on a reload, DNS lookups of encoder hosts, pprof. An idle
-// gateway holds about ten; the rest is room.
-const descriptorMargin = 64
-
-// DescriptorPart is one term of what a config can hold open.
-type DescriptorPart struct {
-	Key  string // the config key that sizes it; "" for what no key changes
-	What string // what it is, for the log and the error
-	N    uint64
-}
-
-// DescriptorReport is what a config can make the gateway hold open at once,
-// term by term, against RLIMIT_NOFILE.
-type DescriptorReport struct {
-	Parts  []DescriptorPart
-	Limits fdlimit.Result // Need is the sum of Parts
-	// Checked is false where the platform has no RLIMIT_NOFILE to compare
-	// with (fdlimit.ErrUnsupported).
-	Checked bool
-}
-
-// DescriptorError is a config that cannot fit in RLIMIT_NOFILE. It is a
-// config error: main exits 2 for it, as for an invalid file.
-type DescriptorError struct {
-	Report DescriptorReport
-	Err    *fdlimit.TooSmallError
-}
-
-func (e *DescriptorError) Error() string {
-	r := e.Report
-	var keys []string
-	parts := append([]DescriptorPart(nil), r.Parts...)
-	sort.SliceStable(parts, func(i, j int) bool { return parts[i].N > parts[j].N })
-	seen := map[string]bool{}
-	for _, p := range parts {
-		if p.Key != "" && !seen[p.Key] {
-			seen[p.Key] = true
-			keys = append(keys, p.Key)
-		}
-	}
-	why := fmt.Sprintf("more than its hard limit %s allows (soft %d)", fdlimit.Format(e.Err.Hard), e.Err.Soft)
-	if e.Err.Err != nil {
-		why = fmt.Sprintf("more than its soft limit %d, which could not be raised (hard %s): %v",
-			e.Err.Soft, fdlimit.Format(e.Err.Hard), e.Err.Err)
-	}
-	return fmt.Sprintf("RLIMIT_NOFILE: the config can hold %d descriptors open at once (%s), %s; "+
-		"lower %s, or raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=)",
-		r.Limits.Need, r.terms(), why, orList(keys))
-}
-
-func (e *DescriptorError) Unwrap() error { return e.Err }
-
-// String is the one-line summary that --check prints.
-func (r DescriptorReport) String() string {
-	if !r.Checked {
-		return fmt.Sprintf("descriptors: the config can hold %d open at once (%s); RLIMIT_NOFILE is not known on this platform",
-			r.Limits.Need, r.terms())
-	}
-	return fmt.Sprintf("descriptors: the config can hold %d open at once (%s); RLIMIT_NOFILE here is %d (hard %s)",
-		r.Limits.Need, r.terms(), r.Limits.Soft, fdlimit.Format(r.Limits.Hard))
-}
-
-// terms writes the parts as "limits.max_conns 10000 + ...".
-func (r DescriptorReport) terms() string {
-	var b strings.Builder
-	for i, p := range r.Parts {
-		if i > 0 {
-			b.WriteString(" + ")
-		}
-		fmt.Fprintf(&b, "%s %d", p.What, p.N)
-	}
-	return b.String()
-}
-
-func orList(keys []string) string {
-	switch len(keys) {
-	case 0:
-		return "the limits"
-	case 1:
-		return keys[0]
-	}
-	return strings.Join(keys[:len(keys)-1], ", ") + " or " + keys[len(keys)-1]
-}
 
 // descriptorParts is everything the config lets the gateway hold open at
 // once. Each term is a bound the gateway enforces: the listeners' limits
 // and their refusals in progress, every encoder's (and agent's) connection
 // pool, the health probes' own pool of 2 per encoder, and the Redis pool
 // with its pub/sub connection.
-func (c Config) descriptorParts() []DescriptorPart {
+func (c Config) descriptorParts() []listener.DescriptorPart {
 	encoders, agents := uint64(len(c.Encoders)), uint64(0)
 	for _, e := range c.Encoders {
 		if e.Agent != "" {
@@ -112,14 +21,14 @@ func (c Config) descriptorParts() []DescriptorPart {
 		}
 	}
 	per := uint64(max(c.Upstream.MaxConnsPerEncoder, 0))
-	parts := []DescriptorPart{
-		{"limits.max_conns", "limits.max_conns", uint64(c.Limits.MaxConns)},
-		{"", "connections being refused on listen", uint64(lingerCap(c.Limits.MaxConns, maxLingering)) + 1},
-		{"admin.max_conns", "admin.max_conns", uint64(c.Admin.MaxConns)},
-		{"", "connections being refused on admin_listen", uint64(lingerCap(c.Admin.MaxConns, adminMaxLingering)) + 1},
-		{"upstream.max_conns_per_encoder", fmt.Sprintf("upstream.max_conns_per_encoder %d x %d (%d encoders, %d agents) =",
-			per, encoders+agents, encoders, agents), per * (encoders + agents)},
-		{"", "health probes (2 per encoder)", 2 * encoders},
+	parts := []listener.DescriptorPart{
+		{Key: "limits.max_conns", What: "limits.max_conns", N: uint64(c.Limits.MaxConns)},
+		{What: "connections being refused on listen", N: uint64(listener.LingerCap(c.Limits.MaxConns, listener.MaxLingering)) + 1},
+		{Key: "admin.max_conns", What: "admin.max_conns", N: uint64(c.Admin.MaxConns)},
+		{What: "connections being refused on admin_listen", N: uint64(listener.LingerCap(c.Admin.MaxConns, listener.AdminMaxLingering)) + 1},
+		{Key: "upstream.max_conns_per_encoder", What: fmt.Sprintf("upstream.max_conns_per_encoder %d x %d (%d encoders, %d agents) =",
+			per, encoders+agents, encoders, agents), N: per * (encoders + agents)},
+		{What: "health probes (2 per encoder)", N: 2 * encoders},
 	}
 	if c.usesRedis() {
 		// go-redis holds at most pool_size connections per server in its
@@ -129,63 +38,21 @@ func (c Config) descriptorParts() []DescriptorPart {
 		pool := uint64(max(c.Redis.PoolSize, 0))
 		switch c.Redis.Mode {
 		case redisclient.Sentinel:
-			parts = append(parts, DescriptorPart{"redis.pool_size", "redis.pool_size + pub/sub + a Sentinel", pool + 2})
+			parts = append(parts, listener.DescriptorPart{Key: "redis.pool_size", What: "redis.pool_size + pub/sub + a Sentinel", N: pool + 2})
 		case redisclient.Cluster:
 			n := uint64(len(c.Redis.ClusterAddrs))
-			parts = append(parts, DescriptorPart{"redis.pool_size", fmt.Sprintf("(redis.pool_size + pub/sub) x %d nodes", n), (pool + 1) * n})
+			parts = append(parts, listener.DescriptorPart{Key: "redis.pool_size", What: fmt.Sprintf("(redis.pool_size + pub/sub) x %d nodes", n), N: (pool + 1) * n})
 		default:
-			parts = append(parts, DescriptorPart{"redis.pool_size", "redis.pool_size + pub/sub", pool + 1})
+			parts = append(parts, listener.DescriptorPart{Key: "redis.pool_size", What: "redis.pool_size + pub/sub", N: pool + 1})
 		}
 	}
 	return append(parts,
-		DescriptorPart{"", "listeners", 2},
-		DescriptorPart{"", "the process's own files", descriptorMargin})
+		listener.DescriptorPart{What: "listeners", N: 2},
+		listener.DescriptorPart{What: "the process's own files", N: listener.DescriptorMargin})
 }
 
 // Descriptors compares what cfg can make the gateway hold open with
-// RLIMIT_NOFILE (l; nil: this process's). With raise, it raises the soft
-// limit towards the hard one where that makes the config fit (New does);
-// without, it only says whether it would fit (--check). A config that
-// cannot fit is a *DescriptorError. Where the platform has no RLIMIT_NOFILE,
-// the report says so and the error is nil.
-func Descriptors(cfg Config, l fdlimit.Limits, raise bool) (DescriptorReport, error) {
-	if l == nil {
-		l = fdlimit.Process
-	}
-	r := DescriptorReport{Parts: cfg.descriptorParts()}
-	var need uint64
-	for _, p := range r.Parts {
-		need += p.N
-	}
-	check := fdlimit.Check
-	if raise {
-		check = fdlimit.Ensure
-	}
-	res, err := check(need, l)
-	r.Limits = res
-	var tooSmall *fdlimit.TooSmallError
-	switch {
-	case err == nil:
-		r.Checked = true
-		return r, nil
-	case errors.Is(err, fdlimit.ErrUnsupported):
-		return r, nil
-	case errors.As(err, &tooSmall):
-		r.Checked = true
-		return r, &DescriptorError{Report: r, Err: tooSmall}
-	}
-	return r, fmt.Errorf("reading RLIMIT_NOFILE: %w", err)
-}
-
-// logDescriptors logs the figures the gateway starts with.
-func logDescriptors(log *zap.Logger, r DescriptorReport) {
-	if !r.Checked {
-		log.Warn("descriptors: RLIMIT_NOFILE is not known on this platform; not checked",
-			zap.Uint64("need", r.Limits.Need), zap.String("terms", r.terms()))
-		return
-	}
-	log.Info("descriptors: the config fits RLIMIT_NOFILE",
-		zap.Uint64("need", r.Limits.Need), zap.Uint64("soft_limit", r.Limits.Soft),
-		zap.String("hard_limit", fdlimit.Format(r.Limits.Hard)), zap.Bool("raised", r.Limits.Raised()),
-		zap.Uint64("soft_limit_found", r.Limits.Was), zap.String("terms", r.terms()))
+// RLIMIT_NOFILE (listener.Budget over descriptorParts).
+func Descriptors(cfg Config, l fdlimit.Limits, raise bool) (listener.DescriptorReport, error) {
+	return listener.Budget(cfg.descriptorParts(), l, raise)
 }

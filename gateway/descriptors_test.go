@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/encgate/encgate/internal/fdlimit"
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -46,7 +47,7 @@ func TestDescriptorsCountEveryBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	// 100 + (100+1) + 16 + (8+1) + 10*(2 encoders + 1 agent) + 2*2 probes + 2 listeners + margin
-	want := uint64(100 + 101 + 16 + 9 + 30 + 4 + 2 + descriptorMargin)
+	want := uint64(100 + 101 + 16 + 9 + 30 + 4 + 2 + listener.DescriptorMargin)
 	if mem.Limits.Need != want || !mem.Checked {
 		t.Fatalf("memory store: need %d (checked %v), want %d: %s", mem.Limits.Need, mem.Checked, want, mem)
 	}
@@ -98,9 +99,9 @@ func TestNewRefusesAConfigThatCannotFit(t *testing.T) {
 	cfg := fdConfig()
 	cfg.Limits.MaxConns = 10000
 	_, err := New(cfg, Deps{Log: zap.NewNop(), Registry: prometheus.NewRegistry(), Descriptors: l})
-	var de *DescriptorError
+	var de *listener.DescriptorError
 	if !errors.As(err, &de) {
-		t.Fatalf("New: %v, want a *DescriptorError", err)
+		t.Fatalf("New: %v, want a *listener.DescriptorError", err)
 	}
 	var tooSmall *fdlimit.TooSmallError
 	if !errors.As(err, &tooSmall) || tooSmall.Hard != 256 {
@@ -130,9 +131,9 @@ func TestReloadRefusesAConfigThatCannotFit(t *testing.T) {
 	before := s.conf()
 	next := *before
 	next.Upstream.MaxConnsPerEncoder = 1000
-	var de *DescriptorError
+	var de *listener.DescriptorError
 	if err := s.Reload(next); !errors.As(err, &de) {
-		t.Fatalf("Reload: %v, want a *DescriptorError", err)
+		t.Fatalf("Reload: %v, want a *listener.DescriptorError", err)
 	}
 	if s.conf() != before || s.conf().Upstream.MaxConnsPerEncoder != 10 {
 		t.Fatalf("the refused reload changed the config: %+v", s.conf().Upstream)

@@ -17,6 +17,7 @@ import (
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/listener"
 )
 
 // patient makes the gateway wait on a request for an hour: a request the
@@ -278,7 +279,7 @@ func TestFramingDecisions(t *testing.T) {
 // TestMalformedRequestsAreLoggedSampledAndNeverEchoed sends 1,000 malformed
 // requests from one client, each carrying a marker of its own in the bytes
 // that make it malformed: the gateway's log keeps a bounded number of lines
-// (logSampleFirst per message while the clock stands still, a few
+// (listener.LogSampleFirst per message while the clock stands still, a few
 // messages), none of them, and none of the 400s, with a marker.
 func TestMalformedRequestsAreLoggedSampledAndNeverEchoed(t *testing.T) {
 	encs := startFakes(t, 1, nil)
@@ -320,7 +321,7 @@ func TestMalformedRequestsAreLoggedSampledAndNeverEchoed(t *testing.T) {
 	}
 	// fasthttp logs the error after the connection is closed: wait for the
 	// last connection to be counted closed, then read the log.
-	eventually(t, "every connection closed", func() bool { return g.conns.open.Load() == 0 })
+	eventually(t, "every connection closed", func() bool { return g.conns.Open() == 0 })
 	lines := logs.All()[startLines:]
 	perMessage := map[string]int{}
 	echoed, example = 0, ""
@@ -333,13 +334,13 @@ func TestMalformedRequestsAreLoggedSampledAndNeverEchoed(t *testing.T) {
 	if echoed > 0 {
 		t.Errorf("%d of %d log lines echo the request's bytes, e.g. %s", echoed, len(lines), example)
 	}
-	if len(lines) > len(kinds)*logSampleFirst {
+	if len(lines) > len(kinds)*listener.LogSampleFirst {
 		t.Errorf("%d log lines from %d malformed requests in one sampling tick, want at most %d (%d messages, %d lines each)",
-			len(lines), total, len(kinds)*logSampleFirst, len(kinds), logSampleFirst)
+			len(lines), total, len(kinds)*listener.LogSampleFirst, len(kinds), listener.LogSampleFirst)
 	}
 	for msg, n := range perMessage {
-		if n > logSampleFirst {
-			t.Errorf("%d lines of %q from %d malformed requests in one sampling tick, want at most %d", n, msg, total, logSampleFirst)
+		if n > listener.LogSampleFirst {
+			t.Errorf("%d lines of %q from %d malformed requests in one sampling tick, want at most %d", n, msg, total, listener.LogSampleFirst)
 		}
 	}
 	if len(perMessage) > len(kinds) {
@@ -350,10 +351,10 @@ func TestMalformedRequestsAreLoggedSampledAndNeverEchoed(t *testing.T) {
 		t.Fatal("no line logged at all: the refusals must still be logged, sampled")
 	}
 	// Sampling is a rate, not a cap: the next tick logs again.
-	clk.Advance(logSampleTick)
+	clk.Advance(listener.LogSampleTick)
 	before := logs.Len()
 	send(total, total+len(kinds))
-	eventually(t, "every connection closed", func() bool { return g.conns.open.Load() == 0 })
+	eventually(t, "every connection closed", func() bool { return g.conns.Open() == 0 })
 	if logs.Len() == before {
 		t.Error("nothing logged in the next sampling tick")
 	}

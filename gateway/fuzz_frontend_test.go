@@ -152,32 +152,8 @@ func FuzzFrontEnd(f *testing.F) {
 			// answer is a HEAD's cannot be told from the answers alone.
 			return
 		}
-		checkFramerSplits(t, data)
 		checkFrontEnd(t, g.Addr(), enc, data)
 	})
-}
-
-// checkFramerSplits checks that the framer reads data the same whether it
-// comes in one read or one byte at a time: the same refusal at the same
-// byte, or the same state after it.
-func checkFramerSplits(t *testing.T, data []byte) {
-	var whole, bytewise framer
-	kw, ew := whole.scan(append([]byte(nil), data...))
-	kb, eb := -1, (*framingError)(nil)
-	for i := range data {
-		if _, err := bytewise.scan(data[i : i+1]); err != nil {
-			kb, eb = i, err
-			break
-		}
-	}
-	switch {
-	case ew != eb:
-		t.Fatalf("framer: one read refuses with %v, byte by byte with %v\ninput %q", ew, eb, data)
-	case ew != nil && kw != kb:
-		t.Fatalf("framer: one read refuses at byte %d, byte by byte at %d (%v)\ninput %q", kw, kb, ew, data)
-	case ew == nil && whole != bytewise:
-		t.Fatalf("framer: one read ends in %+v, byte by byte in %+v\ninput %q", whole, bytewise, data)
-	}
 }
 
 // mustClose reports an answer after which the gateway must close the

@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
@@ -24,7 +25,7 @@ type metrics struct {
 	hot hot
 }
 
-func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *connLimiter) *metrics {
+func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.Limiter) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_requests_total",
@@ -48,15 +49,15 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *connLimit
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_connections_open",
 			Help: "Open client connections on the encoder-facing listener (bounded by limits.max_conns).",
-		}, func() float64 { return float64(conns.open.Load()) }),
+		}, func() float64 { return float64(conns.Open()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "encgate_connections_accepted_total",
 			Help: "Client connections accepted on the encoder-facing listener.",
-		}, func() float64 { return float64(conns.accepted.Load()) }),
+		}, func() float64 { return float64(conns.Accepted()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "encgate_connections_rejected_total",
 			Help: "Client connections answered 503 and closed because limits.max_conns were open.",
-		}, func() float64 { return float64(conns.rejected.Load()) }),
+		}, func() float64 { return float64(conns.Rejected()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_pins",
 			Help: "req_id -> encoder pins held (expired ones not yet swept included).",

@@ -8,6 +8,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/sglang"
 )
 
@@ -61,7 +62,7 @@ func (s *Server) answerAndLinger(ctx *fasthttp.RequestCtx) {
 	c := ctx.Conn()
 	ctx.SetConnectionClose()
 	_ = c.SetWriteDeadline(time.Now().Add(s.conf().Limits.WriteTimeout.D()))
-	lingerOnClose(c)
+	listener.LingerOnClose(c)
 }
 
 // handleProtocolError answers requests fasthttp could not read, in the
@@ -75,7 +76,7 @@ func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
 	} else if isReadTimeout(err) {
 		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time", nil)
 	} else {
-		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+requestErrorReason(ctx.Conn(), err), nil)
+		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+listener.RequestErrorReason(ctx.Conn(), err), nil)
 	}
 	s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
 }

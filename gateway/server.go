@@ -18,6 +18,7 @@ import (
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/fdlimit"
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
@@ -45,10 +46,10 @@ type Server struct {
 	srv     *fasthttp.Server
 	admin   *http.Server
 	ln      net.Listener
-	conns   *connLimiter // ln, bounded at limits.max_conns
+	conns   *listener.Limiter // ln, bounded at limits.max_conns
 	adln    net.Listener
-	adconns *connLimiter   // adln, bounded at admin.max_conns
-	fds     fdlimit.Limits // RLIMIT_NOFILE, checked again on every reload
+	adconns *listener.Limiter // adln, bounded at admin.max_conns
+	fds     fdlimit.Limits    // RLIMIT_NOFILE, checked again on every reload
 	ready   atomic.Bool
 	done    chan error
 
@@ -111,7 +112,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	logDescriptors(log, fds)
+	listener.LogDescriptors(log, fds)
 	pool, err := upstream.NewPool(poolSettings(cfg), cfg.Affinity, upstream.Deps{
 		Log: deps.Log.Named("upstream"), Registry: deps.Registry, Clock: clk, Rand: deps.Rand})
 	if err != nil {
@@ -140,10 +141,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := pool.Pins.Share(ctx, upstream.NewRedisPins(kv, cfg.Redis.KeyPrefix, cfg.Affinity.PinTTL.D(),
 			cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D(), cfg.Redis.PollInterval.D(), deps.Log.Named("pins"), deps.Registry),
-			sampled(deps.Log.Named("pins"), clk)) // a Redis outage fails every call: a few lines a second
+			listener.Sampled(deps.Log.Named("pins"), clk)) // a Redis outage fails every call: a few lines a second
 		stopPins = func() { cancel(); <-done }
 	}
-	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
 	if s.loop, err = newLoopGuard(deps.Entropy, deps.Registry); err != nil {
@@ -167,12 +168,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = s.closeStore()
 		return nil, err
 	}
-	acceptErrors := newAcceptErrors(deps.Registry)
-	s.conns = newConnLimiter(listenerOptions{name: "main", max: cfg.Limits.MaxConns, linger: maxLingering,
-		key: "limits.max_conns", what: "connections", one: "connection", counter: "encgate_connections_rejected_total"}, clk, log, acceptErrors)
-	s.adconns = newConnLimiter(listenerOptions{name: "admin", max: cfg.Admin.MaxConns, linger: adminMaxLingering,
-		key: "admin.max_conns", what: "admin connections", one: "admin connection", counter: "encgate_admin_connections_rejected_total"}, clk, log, acceptErrors)
-	registerAdminConnMetrics(deps.Registry, s.adconns)
+	acceptErrors := listener.NewAcceptErrors(deps.Registry)
+	s.conns = listener.NewLimiter(listener.Options{Name: "main", Max: cfg.Limits.MaxConns, Linger: listener.MaxLingering,
+		Key: "limits.max_conns", What: "connections", One: "connection", Counter: "encgate_connections_rejected_total"}, clk, log, acceptErrors)
+	s.adconns = listener.NewLimiter(listener.Options{Name: "admin", Max: cfg.Admin.MaxConns, Linger: listener.AdminMaxLingering,
+		Key: "admin.max_conns", What: "admin connections", One: "admin connection", Counter: "encgate_admin_connections_rejected_total"}, clk, log, acceptErrors)
+	listener.RegisterAdminConnMetrics(deps.Registry, s.adconns)
 	s.metrics = newMetrics(deps.Registry, pool, s.conns)
 	s.sends = idempotency.NewSends(store.Store, cfg.Idempotency, clk, deps.Log.Named("idempotency"),
 		idempotency.NewMetrics(deps.Registry, store.Memory))
@@ -210,9 +211,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		// (one worker per connection) is only a backstop, as a worker is
 		// released just after its connection is counted closed.
 		Concurrency:     2 * cfg.Limits.MaxConns,
-		ConnState:       s.conns.connState,
+		ConnState:       s.conns.ConnState,
 		CloseOnShutdown: true,
-		Logger:          fasthttpLog{sampled(deps.Log.Named("fasthttp"), clk)},
+		Logger:          listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
 	}
 	s.admin = newAdminServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
 	return s, nil
@@ -220,7 +221,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 
 // newAdminServer is the admin listener's server: h behind the section's
 // read and idle timeouts, its connections counted by conns.
-func newAdminServer(cfg AdminConfig, h http.Handler, conns *connLimiter, log *zap.Logger) *http.Server {
+func newAdminServer(cfg AdminConfig, h http.Handler, conns *listener.Limiter, log *zap.Logger) *http.Server {
 	return &http.Server{
 		Handler: h,
 		// ReadTimeout bounds reading the whole request (ReadHeaderTimeout,
@@ -232,7 +233,7 @@ func newAdminServer(cfg AdminConfig, h http.Handler, conns *connLimiter, log *za
 		// write after ?seconds=N, 30 by default.
 		ReadTimeout: cfg.ReadTimeout.D(),
 		IdleTimeout: cfg.IdleTimeout.D(),
-		ConnState:   conns.httpConnState,
+		ConnState:   conns.HTTPConnState,
 		// net/http logs through the standard logger unless told; its
 		// messages (TLS handshakes, panics in handlers) go to zap.
 		ErrorLog: zap.NewStdLog(log),
@@ -279,7 +280,7 @@ func (s *Server) Start() error {
 		return err
 	}
 	s.conns.Listener, s.adconns.Listener = ln, adln
-	go func() { s.done <- s.srv.Serve(framingListener{tcpconn.Listener{Listener: s.conns}}) }()
+	go func() { s.done <- s.srv.Serve(listener.Framing{Listener: tcpconn.Listener{Listener: s.conns}}) }()
 	go func() {
 		if err := s.admin.Serve(s.adconns); !errors.Is(err, http.ErrServerClosed) {
 			s.done <- err
@@ -338,11 +339,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		}
 	}
 	s.log.Info("draining: listener closed, finishing requests in flight",
-		zap.Int64("open_connections", s.conns.open.Load()))
+		zap.Int64("open_connections", s.conns.Open()))
 	err := s.srv.ShutdownWithContext(ctx)
-	s.conns.wait()
+	s.conns.Wait()
 	aerr := s.admin.Shutdown(ctx)
-	s.adconns.wait()
+	s.adconns.Wait()
 	berr := s.stopSources(ctx)
 	s.pool.Close()
 	serr := s.closeStore()

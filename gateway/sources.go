@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/discovery"
+	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -66,7 +67,7 @@ func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 				return resolver.LookupNetIP(ctx, "ip", host)
 			},
 			ResolveTimeout: cfg.Bootstrap.ResolveTimeout.D(),
-			Quiet:          sampled(log, s.clk), // any caller can be refused at any rate
+			Quiet:          listener.Sampled(log, s.clk), // any caller can be refused at any rate
 			Registry:       s.reg,
 		}
 		if cfg.Bootstrap.TokenFile != "" {
@@ -83,7 +84,7 @@ func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 			ReadBufferSize:        4096,
 			Concurrency:           1024,
 			CloseOnShutdown:       true,
-			Logger:                fasthttpLog{sampled(s.log.Named("bootstrap"), s.clk)},
+			Logger:                listener.FasthttpLogger(listener.Sampled(s.log.Named("bootstrap"), s.clk)),
 		}
 	}
 	if len(cfg.RegisterWith) > 0 {

@@ -1,4 +1,4 @@
-package gateway
+package listener
 
 import (
 	"errors"
@@ -119,7 +119,7 @@ type accepted struct {
 // on a fake clock.
 type acceptHarness struct {
 	sl   *scriptedListener
-	l    *connLimiter
+	l    *Limiter
 	clk  *clock.Fake
 	errs *prometheus.CounterVec
 	logs *observer.ObservedLogs
@@ -130,9 +130,9 @@ func newAcceptHarness(t *testing.T) *acceptHarness {
 	t.Helper()
 	core, logs := observer.New(zapcore.DebugLevel)
 	h := &acceptHarness{sl: newScriptedListener(), clk: clock.NewFake(time.Unix(1_000_000, 0)),
-		errs: newAcceptErrors(prometheus.NewRegistry()), logs: logs, out: make(chan accepted)}
-	h.l = newConnLimiter(listenerOptions{name: "main", max: 100, linger: 1, key: "limits.max_conns", what: "connections", one: "connection",
-		counter: "encgate_connections_rejected_total"}, h.clk, zap.New(core), h.errs)
+		errs: NewAcceptErrors(prometheus.NewRegistry()), logs: logs, out: make(chan accepted)}
+	h.l = NewLimiter(Options{Name: "main", Max: 100, Linger: 1, Key: "limits.max_conns", What: "connections", One: "connection",
+		Counter: "encgate_connections_rejected_total"}, h.clk, zap.New(core), h.errs)
 	h.l.Listener = h.sl
 	go func() {
 		defer close(h.out)
@@ -154,8 +154,8 @@ func newAcceptHarness(t *testing.T) *acceptHarness {
 		}()
 		select {
 		case <-ended:
-		case <-time.After(testBound):
-			t.Errorf("the accept loop did not end within %v of Close", testBound)
+		case <-time.After(5 * time.Second):
+			t.Errorf("the accept loop did not end within %v of Close", 5*time.Second)
 		}
 	})
 	<-h.sl.calls

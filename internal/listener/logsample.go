@@ -1,4 +1,4 @@
-package gateway
+package listener
 
 import (
 	"errors"
@@ -18,23 +18,23 @@ import (
 
 // Lines a client can make the gateway write at any rate (one per malformed
 // request, one per answer the gateway makes itself) go through a sampled
-// logger: at most logSampleFirst lines per message in each logSampleTick,
+// logger: at most LogSampleFirst lines per message in each LogSampleTick,
 // the rest dropped. One client sending garbage as fast as it can would
 // otherwise fill the disk (19,168 lines in 3 s were seen), and a line per
 // request adds nothing a counter does not: encgate_requests_total counts
 // every answer by route and status, sampled or not.
 const (
-	logSampleTick  = time.Second
-	logSampleFirst = 10
+	LogSampleTick  = time.Second
+	LogSampleFirst = 10
 )
 
-// sampled returns l with its lines sampled per message. The sampler reads
+// Sampled returns l with its lines sampled per message. The sampler reads
 // each line's time from clk (zap's entry time), so a test with a fake clock
 // sees the bound exactly.
-func sampled(l *zap.Logger, clk clock.Clock) *zap.Logger {
+func Sampled(l *zap.Logger, clk clock.Clock) *zap.Logger {
 	return l.WithOptions(
 		zap.WrapCore(func(c zapcore.Core) zapcore.Core {
-			return zapcore.NewSamplerWithOptions(c, logSampleTick, logSampleFirst, 0)
+			return zapcore.NewSamplerWithOptions(c, LogSampleTick, LogSampleFirst, 0)
 		}),
 		zap.WithClock(zapClock{clk}))
 }
@@ -52,8 +52,11 @@ func (z zapClock) NewTicker(d time.Duration) *time.Ticker { return time.NewTicke
 // format string, which is the same for every line from one place in
 // fasthttp and so is what the sampler counts by, and its arguments become
 // fields only when they cannot carry request bytes: addresses and numbers
-// as they are, an error as requestErrorReason describes it.
+// as they are, an error as RequestErrorReason describes it.
 type fasthttpLog struct{ l *zap.Logger }
+
+// FasthttpLogger is fasthttpLog over l.
+func FasthttpLogger(l *zap.Logger) fasthttp.Logger { return fasthttpLog{l} }
 
 func (f fasthttpLog) Printf(format string, args ...any) {
 	ce := f.l.Check(zapcore.WarnLevel, format)
@@ -67,7 +70,7 @@ func (f fasthttpLog) Printf(format string, args ...any) {
 		case net.Addr:
 			fields = append(fields, zap.String(key, v.String()))
 		case error:
-			fields = append(fields, zap.String(key, requestErrorReason(nil, v)))
+			fields = append(fields, zap.String(key, RequestErrorReason(nil, v)))
 		case int, int32, int64, uint, uint32, uint64, float64, time.Duration:
 			fields = append(fields, zap.Any(key, v))
 		default:
@@ -78,14 +81,14 @@ func (f fasthttpLog) Printf(format string, args ...any) {
 	ce.Write(fields...)
 }
 
-// requestErrorReason describes why a request could not be read, in words
+// RequestErrorReason describes why a request could not be read, in words
 // of the gateway's own and never with the client's bytes: fasthttp's error
 // texts quote the request, so only errors whose text cannot (the
 // connection's own errors) are given as they are. c, when given, is the
 // request's connection: a framing violation recorded there is the reason
 // (the poison byte the framer put in the stream may have made fasthttp
 // report a different error).
-func requestErrorReason(c net.Conn, err error) string {
+func RequestErrorReason(c net.Conn, err error) string {
 	if c != nil {
 		if fe := framingViolation(c); fe != nil {
 			return fe.reason

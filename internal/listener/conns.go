@@ -1,4 +1,4 @@
-package gateway
+package listener
 
 import (
 	"errors"
@@ -19,7 +19,7 @@ import (
 	"github.com/encgate/encgate/internal/sglang"
 )
 
-// connLimiter is a listener of the gateway's (the encoder-facing one,
+// Limiter is a listener of the gateway's (the encoder-facing one,
 // bounded at limits.max_conns, and the admin one, at admin.max_conns). It
 // returns accepted connections unwrapped, and its server's ConnState hook
 // tells it when one closes. The connection one too many is answered with a
@@ -29,7 +29,7 @@ import (
 // Serve (which stops on any error but a timeout) and net/http's (which
 // retries only what net.Error.Temporary says, not ENOBUFS or ENOMEM, and
 // logs every failure) would otherwise take it. acceptRetry waits it out.
-type connLimiter struct {
+type Limiter struct {
 	net.Listener
 	max        int64
 	open       atomic.Int64
@@ -57,44 +57,44 @@ const (
 	lingerBytes        = 256 << 10
 )
 
-// At most this many refused connections linger at once (maxLingering on
-// the encoder-facing listener, adminMaxLingering on the admin one, and
+// At most this many refused connections linger at once (MaxLingering on
+// the encoder-facing listener, AdminMaxLingering on the admin one, and
 // never more than the listener's own limit); past it a refused connection
 // is closed at once. With the one being answered, each listener holds at
-// most lingerCap+1 descriptors for refusals: Config.descriptorParts counts
+// most LingerCap+1 descriptors for refusals: Config.descriptorParts counts
 // them.
 const (
-	maxLingering      = 128
-	adminMaxLingering = 8
+	MaxLingering      = 128
+	AdminMaxLingering = 8
 )
 
-func lingerCap(max, bound int) int { return min(max, bound) }
+func LingerCap(max, bound int) int { return min(max, bound) }
 
-// listenerOptions describe one of the gateway's listeners.
-type listenerOptions struct {
-	name    string // listener label of encgate_accept_errors_total: "main" or "admin"
-	max     int    // open connections
-	linger  int    // refused connections lingering at once
-	key     string // the config key of max, named in the refusal
-	what    string // what is refused, plural, for the refusal: "connections"
-	one     string // the same, singular, for its log line: "connection"
-	counter string // the metric that counts refusals, named in the log line
+// Options describe one of the gateway's listeners.
+type Options struct {
+	Name    string // listener label of encgate_accept_errors_total: "main" or "admin"
+	Max     int    // open connections
+	Linger  int    // refused connections lingering at once
+	Key     string // the config key of max, named in the refusal
+	What    string // what is refused, plural, for the refusal: "connections"
+	One     string // the same, singular, for its log line: "connection"
+	Counter string // the metric that counts refusals, named in the log line
 }
 
-func newConnLimiter(o listenerOptions, clk clock.Clock, log *zap.Logger, acceptErrors *prometheus.CounterVec) *connLimiter {
-	msg := fmt.Sprintf("encgate: too many %s (%s is %d); try again later", o.what, o.key, o.max)
+func NewLimiter(o Options, clk clock.Clock, log *zap.Logger, acceptErrors *prometheus.CounterVec) *Limiter {
+	msg := fmt.Sprintf("encgate: too many %s (%s is %d); try again later", o.What, o.Key, o.Max)
 	body := sglang.AppendEnvelope(nil, msg, nil)
 	head := fmt.Sprintf("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"+
 		"Retry-After: 1\r\nConnection: close\r\n\r\n", len(body))
-	return &connLimiter{max: int64(o.max), refusal: append([]byte(head), body...), log: log, clk: clk,
-		refusedMsg: fmt.Sprintf("%s refused: %s reached (logged at most once a minute; %s counts them)", o.one, o.key, o.counter),
-		lingering:  make(chan struct{}, lingerCap(o.max, o.linger)),
-		retry:      acceptRetry{listener: o.name, clk: clk, log: log, errors: acceptErrors, closed: make(chan struct{})}}
+	return &Limiter{max: int64(o.Max), refusal: append([]byte(head), body...), log: log, clk: clk,
+		refusedMsg: fmt.Sprintf("%s refused: %s reached (logged at most once a minute; %s counts them)", o.One, o.Key, o.Counter),
+		lingering:  make(chan struct{}, LingerCap(o.Max, o.Linger)),
+		retry:      acceptRetry{listener: o.Name, clk: clk, log: log, errors: acceptErrors, closed: make(chan struct{})}}
 }
 
 // Accept returns the next connection within the limit, refusing the others.
 // It is called by one goroutine, its server's accept loop.
-func (l *connLimiter) Accept() (net.Conn, error) {
+func (l *Limiter) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
@@ -116,28 +116,28 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 
 // Close closes the listener and ends a backoff in progress, so that the
 // accept loop returns at once.
-func (l *connLimiter) Close() error {
+func (l *Limiter) Close() error {
 	l.retry.close()
 	return l.Listener.Close()
 }
 
-// connState counts a connection fasthttp is done with (its ConnState hook:
+// ConnState counts a connection fasthttp is done with (its ConnState hook:
 // every connection Accept returned ends in StateClosed or StateHijacked).
-func (l *connLimiter) connState(_ net.Conn, st fasthttp.ConnState) {
+func (l *Limiter) ConnState(_ net.Conn, st fasthttp.ConnState) {
 	if st == fasthttp.StateClosed || st == fasthttp.StateHijacked {
 		l.open.Add(-1)
 	}
 }
 
-// httpConnState is connState for net/http (the admin listener), whose
+// HTTPConnState is ConnState for net/http (the admin listener), whose
 // connections end in StateClosed or StateHijacked as well.
-func (l *connLimiter) httpConnState(_ net.Conn, st http.ConnState) {
+func (l *Limiter) HTTPConnState(_ net.Conn, st http.ConnState) {
 	if st == http.StateClosed || st == http.StateHijacked {
 		l.open.Add(-1)
 	}
 }
 
-func (l *connLimiter) refuse(c net.Conn) {
+func (l *Limiter) refuse(c net.Conn) {
 	if now := l.clk.Now().Unix(); l.lastLog.Load() < now-60 {
 		l.lastLog.Store(now)
 		l.log.Warn(l.refusedMsg, zap.Int64("max_conns", l.max), zap.Stringer("remote", c.RemoteAddr()))
@@ -174,8 +174,8 @@ func lingerClose(c net.Conn, close bool) {
 	}
 }
 
-// wait returns once every refused connection is closed.
-func (l *connLimiter) wait() { l.wg.Wait() }
+// Wait returns once every refused connection is closed.
+func (l *Limiter) Wait() { l.wg.Wait() }
 
 // Backoff after a temporary accept error: 5ms, doubling to 1s, and back to
 // 5ms once a connection is accepted, as net/http's Server does. The wait
@@ -195,7 +195,7 @@ const (
 // the next warning says how many went unlogged.
 const acceptWarnEvery = time.Minute
 
-// acceptRetry waits out temporary accept errors for a connLimiter.
+// acceptRetry waits out temporary accept errors for a Limiter.
 type acceptRetry struct {
 	listener string
 	clk      clock.Clock
@@ -339,8 +339,8 @@ func (r *acceptRetry) accepted() {
 
 func (r *acceptRetry) close() { r.closeOnce.Do(func() { close(r.closed) }) }
 
-// newAcceptErrors is encgate_accept_errors_total, registered on reg.
-func newAcceptErrors(reg prometheus.Registerer) *prometheus.CounterVec {
+// NewAcceptErrors is encgate_accept_errors_total, registered on reg.
+func NewAcceptErrors(reg prometheus.Registerer) *prometheus.CounterVec {
 	v := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "encgate_accept_errors_total",
 		Help: "Temporary accept errors on a listener (main: encoder-facing, admin), by errno (EMFILE: out of descriptors); " +
@@ -355,9 +355,9 @@ func newAcceptErrors(reg prometheus.Registerer) *prometheus.CounterVec {
 	return v
 }
 
-// registerAdminConnMetrics registers the admin listener's connection
+// RegisterAdminConnMetrics registers the admin listener's connection
 // counts (the encoder-facing listener's are in newMetrics).
-func registerAdminConnMetrics(reg prometheus.Registerer, l *connLimiter) {
+func RegisterAdminConnMetrics(reg prometheus.Registerer, l *Limiter) {
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_admin_connections_open",
@@ -368,3 +368,12 @@ func registerAdminConnMetrics(reg prometheus.Registerer, l *connLimiter) {
 			Help: "Admin connections answered 503 and closed because admin.max_conns were open.",
 		}, func() float64 { return float64(l.rejected.Load()) }))
 }
+
+// Open is the number of connections open now.
+func (l *Limiter) Open() int64 { return l.open.Load() }
+
+// Accepted counts the connections accepted within the limit.
+func (l *Limiter) Accepted() uint64 { return l.accepted.Load() }
+
+// Rejected counts the connections refused with the 503.
+func (l *Limiter) Rejected() uint64 { return l.rejected.Load() }

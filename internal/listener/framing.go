@@ -1,4 +1,4 @@
-package gateway
+package listener
 
 import (
 	"net"
@@ -32,7 +32,7 @@ import (
 // the client (ErrNothingRead, isOnlyCRLF) and sends no answer at all. NUL
 // is invalid in every position of a request head or chunk line, so
 // fasthttp's own parser refuses it too, whichever error it reports. The
-// error handler (handleReadError) then answers 400 with the reason
+// error handler (the gateway's handleReadError) then answers 400 with the reason
 // recorded here and closes the connection.
 //
 // The framer accepts a subset of what fasthttp accepts and frames it the
@@ -86,11 +86,11 @@ var (
 	errChunkFraming = &framingError{"malformed chunked framing (chunk size line, or the CRLF after chunk data)"}
 )
 
-// framingListener wraps each accepted connection in a framingConn. Accept
+// Framing wraps each accepted connection in a framingConn. Accept
 // errors pass through unchanged.
-type framingListener struct{ net.Listener }
+type Framing struct{ net.Listener }
 
-func (l framingListener) Accept() (net.Conn, error) {
+func (l Framing) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
@@ -100,7 +100,7 @@ func (l framingListener) Accept() (net.Conn, error) {
 
 // framingConn is a client connection whose reads pass the framer, and
 // which closes gently after an answer that cut its input short (see
-// lingerOnClose).
+// LingerOnClose).
 type framingConn struct {
 	net.Conn
 	f      framer
@@ -125,7 +125,7 @@ func (c *framingConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// Close closes the connection; after lingerOnClose it first half-closes
+// Close closes the connection; after LingerOnClose it first half-closes
 // it and discards what the client still sends for a moment (lingerClose),
 // unchecked by the framer.
 func (c *framingConn) Close() error {
@@ -135,11 +135,11 @@ func (c *framingConn) Close() error {
 	return c.Conn.Close()
 }
 
-// lingerOnClose makes c's Close gentle, and reports whether it could: c
+// LingerOnClose makes c's Close gentle, and reports whether it could: c
 // is a client connection of the encoder-facing listener (Start wraps
 // every one; without the wrapper the close would reset a client still
 // sending).
-func lingerOnClose(c net.Conn) bool {
+func LingerOnClose(c net.Conn) bool {
 	fc, ok := c.(*framingConn)
 	if ok {
 		fc.linger.Store(true)
