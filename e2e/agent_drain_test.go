@@ -1,4 +1,4 @@
-package main
+package e2e
 
 import (
 	"bufio"
@@ -35,9 +35,8 @@ type agentProc struct {
 
 func startAgentProc(t *testing.T, config string) *agentProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "agent", "--config", writeTemp(t, "agent.yaml", config))
+	cmd := exec.Command(encgateBin, "agent", "--config", writeTemp(t, "agent.yaml", config))
 	cmd.SysProcAttr = dieWithTest
-	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

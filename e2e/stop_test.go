@@ -1,6 +1,6 @@
 //go:build unix
 
-package main
+package e2e
 
 import (
 	"bufio"
@@ -46,9 +46,8 @@ var fakeListening = regexp.MustCompile(`^fake encoder ".*" listening on (http://
 // acts on nothing else) and interrupts it.
 func startFakeProc(t *testing.T, name string) *fakeProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "fake-encoder", "--listen", "127.0.0.1:0", "--name", name, "--mode", "mooncake")
+	cmd := exec.Command(encgateBin, "fake-encoder", "--listen", "127.0.0.1:0", "--name", name, "--mode", "mooncake")
 	cmd.SysProcAttr = dieWithTest
-	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

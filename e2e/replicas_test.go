@@ -1,4 +1,4 @@
-package main
+package e2e
 
 import (
 	"bufio"
@@ -17,15 +17,6 @@ import (
 	"github.com/encgate/encgate/internal/redistest"
 )
 
-// TestMain lets the test binary stand in for the encgate binary: started
-// with ENCGATE_AS_MAIN=1 it runs main's command line instead of the tests.
-func TestMain(m *testing.M) {
-	if os.Getenv("ENCGATE_AS_MAIN") == "1" {
-		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
-	}
-	os.Exit(m.Run())
-}
-
 // replica is an `encgate gateway` process.
 type replica struct {
 	cmd  *exec.Cmd
@@ -35,9 +26,8 @@ type replica struct {
 // startReplica runs a gateway process and waits for its listening line.
 func startReplica(t *testing.T, config string) *replica {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "gateway", "--config", writeTemp(t, "gw.yaml", config))
+	cmd := exec.Command(encgateBin, "gateway", "--config", writeTemp(t, "gw.yaml", config))
 	cmd.SysProcAttr = dieWithTest
-	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -1,4 +1,4 @@
-package main
+package e2e
 
 import (
 	"bufio"
@@ -35,9 +35,8 @@ type gatewayProc struct {
 // listening line; its stderr is kept until it exits.
 func startGatewayProc(t *testing.T, path string) *gatewayProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "gateway", "--config", path)
+	cmd := exec.Command(encgateBin, "gateway", "--config", path)
 	cmd.SysProcAttr = dieWithTest
-	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	return runGatewayProc(t, cmd)
 }
 

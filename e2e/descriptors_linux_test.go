@@ -1,4 +1,4 @@
-package main
+package e2e
 
 import (
 	"context"
@@ -34,9 +34,8 @@ func prlimit(t *testing.T) string {
 // soft:hard.
 func limitedCmd(t *testing.T, nofile string, args ...string) *exec.Cmd {
 	t.Helper()
-	cmd := exec.Command(prlimit(t), append([]string{"--nofile=" + nofile, "--", os.Args[0]}, args...)...)
+	cmd := exec.Command(prlimit(t), append([]string{"--nofile=" + nofile, "--", encgateBin}, args...)...)
 	cmd.SysProcAttr = dieWithTest
-	cmd.Env = append(os.Environ(), "ENCGATE_AS_MAIN=1")
 	return cmd
 }
 
