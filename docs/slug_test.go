@@ -7,7 +7,8 @@ import (
 	"testing"
 )
 
-// The slugs GitHub gives these headings (checked by hand on github.com).
+// The anchors GitHub's rules give these headings: the text as rendered,
+// lowercased, punctuation but - and _ dropped, each space a -.
 func TestSlug(t *testing.T) {
 	for _, c := range []struct{ heading, want string }{
 		{"Idempotent /send", "idempotent-send"},
