@@ -96,7 +96,7 @@ func refusedMayRetry(a reply) bool {
 // duplicate be forwarded again. On loopback the master hands a write to
 // its replica in the same event-loop turn as the reply, so a SIGKILL does
 // not lose one here; across a network, or with a lagging replica, it can
-// (see README, Redis shapes).
+// (see docs/operations/redis.md).
 func TestSentinelFailoverMidSends(t *testing.T) {
 	chaosLeakCheck(t)
 	s := redistest.StartSentinel(t)

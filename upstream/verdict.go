@@ -192,7 +192,7 @@ type Observation struct {
 
 // Judge gives the verdict of one exchange of route rt with t under policy
 // pol (nil: never retried), with the operator's breaker.ignore list. It is
-// the only place an outcome is classified (the table in ARCHITECTURE.md).
+// the only place an outcome is classified (the table in docs/concepts/architecture.md).
 func Judge(rt *sglang.Route, pol *RetryPolicy, ignore []Condition, t Target, o Observation) Verdict {
 	v := judgeOutcome(rt, ignore, t, o)
 	v.Encoder = t.Encoder

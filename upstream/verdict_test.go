@@ -19,7 +19,7 @@ import (
 // One row per outcome class: the verdict every consumer reads (the status
 // and message the caller gets, the breaker's mark, the retry reason and
 // whether the default policy retries it, the metric label). This table is
-// the one in ARCHITECTURE.md.
+// the one in docs/concepts/architecture.md.
 func TestVerdictTable(t *testing.T) {
 	retry := DefaultRetry()
 	enc, meta, reg, send := sglang.RouteEncode, sglang.RouteMetadata, sglang.RouteReceiveURL, sglang.RouteSend
