@@ -551,7 +551,7 @@ func envelopeMessage(body []byte) string {
 
 func (d *driver) result(f *fleet, gw *gateway.Server, reg *prometheus.Registry) *Result {
 	res := &Result{Calls: d.calls, PerEncoder: map[string]int{}, PartsServed: map[string]int{},
-		Received: map[string]int64{}, Errors: d.errors, Pins: gw.Pool().Pins.Len(),
+		Received: map[string]int64{}, Errors: d.errors, Pins: gw.Pool().PinsHeld(),
 		DupsInjected: d.dups, Replayed: d.replayed, SendsReceived: map[string]int{},
 		Suppressed: suppressed(reg), RetriedOK: d.retriedOK, Local: d.local,
 		Acks: d.acks, AcksWrong: d.acksWrong, AcksMissing: d.acksLost,

@@ -183,7 +183,7 @@ func (s *Server) serveUpstreams(w http.ResponseWriter, _ *http.Request) {
 
 // upstreamStates is every encoder's row, in fleet order.
 func (s *Server) upstreamStates() []UpstreamState {
-	pins := s.pool.Pins.CountByEncoder()
+	pins := s.pool.PinsByEncoder()
 	var out []UpstreamState
 	for _, e := range s.pool.Encoders() {
 		membership := "active"

@@ -79,7 +79,7 @@ func TestEveryCallForAReqIDStaysOnItsEncoder(t *testing.T) {
 	}
 	// Both ranks' /sends completed receive_count=2, so every req_id was
 	// released and its pin dropped.
-	if got := g.Pool().Pins.Len(); got != 0 {
+	if got := g.Pool().PinsHeld(); got != 0 {
 		t.Errorf("pins = %d after every req_id was released, want 0", got)
 	}
 }
@@ -90,7 +90,7 @@ func TestFollowUpBeforeEncodeWaitsForThePin(t *testing.T) {
 	const id = "early_local_part_0"
 	got := make(chan answer, 1)
 	go func() { got <- post(t, g.base+"/scheduler_receive_meta_data", metaBody(id)) }()
-	eventually(t, "the follow-up to wait for a pin", func() bool { return g.Pool().Pins.Waiting() == 1 })
+	eventually(t, "the follow-up to wait for a pin", func() bool { return g.Pool().PinWaiters() == 1 })
 	for _, e := range encs {
 		if n := e.Stats().Routes["/scheduler_receive_meta_data"]; n != 0 {
 			t.Fatalf("%s got the follow-up before the /encode was pinned", e.Stats().Name)

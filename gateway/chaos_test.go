@@ -1023,7 +1023,7 @@ func heapInUse() uint64 {
 // (10^6; 10^5 under the race detector, which makes each step ~10x dearer)
 // through the gateway's own per-req_id state, with the calls its request
 // path makes, without sockets: each /encode pins its req_id (serveEncode);
-// a quarter of them fail and are remembered (Pins.Fail); half are /sent by
+// a quarter of them fail and are remembered (the pin table's Fail); half are /sent by
 // one receiver rank through the /send deduplicator over the memory store,
 // stored, released and unpinned (serveSend, writeSendResult); a quarter
 // never get a /send (zmq mode) and keep their pin. The clock never moves,
@@ -1047,7 +1047,7 @@ func TestChaosMemoryBoundedMillionReqIDs(t *testing.T) {
 	defer func() { _ = s.Shutdown(context.Background()) }()
 	g := &gw{Server: s, reg: reg}
 	enc := s.pool.Encoders()[0]
-	pins, store := s.pool.Pins, s.store.Memory
+	pins, store := s.pool.PinTableForTest(), s.store.Memory
 	// The pin table's bound is exact; the store holds up to capacity/64+1
 	// records in each of its 64 shards.
 	maxPins, maxRecords := cfg.Affinity.MaxPins, 64*(cfg.Idempotency.Capacity/64+1)
@@ -1137,10 +1137,10 @@ func TestChaosMemoryBoundedOverHTTP(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	pins, store := c.g.Pool().Pins, c.g.store.Memory
-	if pins.Len() > maxPins || store.Records() > int64(maxRecords) || pins.Evictions() == 0 || store.Evictions() == 0 {
+	pins, store := c.g.Pool(), c.g.store.Memory
+	if pins.PinsHeld() > maxPins || store.Records() > int64(maxRecords) || pins.PinEvictionsTotal() == 0 || store.Evictions() == 0 {
 		t.Fatalf("%d pins (bound %d, %d evicted), %d records (bound %d, %d evicted)",
-			pins.Len(), maxPins, pins.Evictions(), store.Records(), maxRecords, store.Evictions())
+			pins.PinsHeld(), maxPins, pins.PinEvictionsTotal(), store.Records(), maxRecords, store.Evictions())
 	}
 	c.check()
 }

@@ -186,7 +186,7 @@ func TestBadRequestBodiesAre400AndStayInTheGateway(t *testing.T) {
 	if seen := routesSeen(encs); len(seen) != 0 {
 		t.Fatalf("bad requests reached the encoder: %v", seen)
 	}
-	if n := g.Pool().Pins.Len(); n != 0 {
+	if n := g.Pool().PinsHeld(); n != 0 {
 		t.Fatalf("bad requests left %d pins", n)
 	}
 	// The gateway still serves the encoder afterwards.

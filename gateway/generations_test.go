@@ -369,7 +369,7 @@ func TestMalformedFollowUpsAreRefusedBeforeForwarding(t *testing.T) {
 	if n := seriesValue(t, g, "encgate_breaker_outcomes_total"); n != 0 {
 		t.Errorf("encgate_breaker_outcomes_total = %v, want 0", n)
 	}
-	if n := g.Pool().Pins.Len(); n != 0 {
+	if n := g.Pool().PinsHeld(); n != 0 {
 		t.Errorf("malformed follow-ups left %d pins", n)
 	}
 }
@@ -437,7 +437,7 @@ func TestGen0FailedPartWithTP6LeavesTheBreakerClosed(t *testing.T) {
 		t.Fatalf("the other encoder received %v for the part", seen)
 	}
 	// The part's failure is remembered as the first rank's, not the siblings'.
-	if pin, _ := g.Pool().Pins.Get(id); !pin.Failed() || pin.Status != http.StatusBadRequest || pin.Message != msg {
+	if pin, _ := g.Pool().Pin(id); !pin.Failed() || pin.Status != http.StatusBadRequest || pin.Message != msg {
 		t.Errorf("pin %+v, want the 400 %q", pin, msg)
 	}
 	breakerNoFault(t, g, enc)
@@ -668,7 +668,7 @@ func TestGen0ZmqRegistrationsAfterAFailedEncodeReachTheEncoder(t *testing.T) {
 		const id = "late_local_part_0"
 		a := post(t, g.base+"/encode", tokenizerEncode(id, "fail:400:"+msg))
 		wantEnvelopeMsg(t, a, http.StatusBadRequest, msg, strp(id))
-		if pin, _ := g.Pool().Pins.Get(id); !pin.Failed() || !pin.Answered {
+		if pin, _ := g.Pool().Pin(id); !pin.Failed() || !pin.Answered {
 			t.Fatalf("pin %+v, want the encoder's own failure", pin)
 		}
 		wantForwarded(t, fake, id, sinks, register(g, cs, id, sinks))
@@ -679,14 +679,14 @@ func TestGen0ZmqRegistrationsAfterAFailedEncodeReachTheEncoder(t *testing.T) {
 		g, cs, fake, sinks, h := setup(t)
 		const id = "held-early_local_part_0"
 		regs := register(g, cs, id, sinks)
-		eventually(t, "the registrations to wait for the pin", func() bool { return g.Pool().Pins.Waiting() == 1 })
+		eventually(t, "the registrations to wait for the pin", func() bool { return g.Pool().PinWaiters() == 1 })
 		enc := cs.post(g.base+"/encode", tokenizerEncode(id, "fail-encode:400:"+msg))
 		if got := h.waitEntered(t); got != id {
 			t.Fatalf("the hook holds %q", got)
 		}
 		// The /encode is held, its pin pending: the registrations go on.
 		wantForwarded(t, fake, id, sinks, regs)
-		if pin, _ := g.Pool().Pins.Get(id); pin.State != upstream.PinPending {
+		if pin, _ := g.Pool().Pin(id); pin.State != upstream.PinPending {
 			t.Fatalf("pin %+v while the /encode is held, want pending", pin)
 		}
 		if n := len(fake.Stats().Pushes); n != 0 {
@@ -825,7 +825,7 @@ func TestSixRanksEncodeReachOneEncoderThoughItsBreakerOpens(t *testing.T) {
 	if n := encs[0].Stats().ReqIDs[id]["/encode"]; n != tp {
 		t.Fatalf("enc-0 received %d of the part's /encodes, want %d", n, tp)
 	}
-	if pin, _ := g.Pool().Pins.Get(id); pin.State != upstream.PinEncoded || pin.Encoder != enc0.Name {
+	if pin, _ := g.Pool().Pin(id); pin.State != upstream.PinEncoded || pin.Encoder != enc0.Name {
 		t.Errorf("pin %+v, want encoded on enc-0", pin)
 	}
 }
@@ -846,7 +846,7 @@ func TestAGoodPinSurvivesALaterBadEncode(t *testing.T) {
 		}
 		bad := strings.Replace(encodeBody(id), `"num_parts":1`, `"num_parts":0`, 1)
 		wantEnvelopeMsg(t, post(t, g.base+"/encode", bad), http.StatusBadRequest, "num_parts must be a positive integer", strp(id))
-		if pin, _ := g.Pool().Pins.Get(id); pin.State != upstream.PinEncoded {
+		if pin, _ := g.Pool().Pin(id); pin.State != upstream.PinEncoded {
 			t.Fatalf("pin %+v after the refused /encode, want still encoded", pin)
 		}
 		meta := post(t, g.base+routeMetadata, metaBody(id))
@@ -873,7 +873,7 @@ func TestAGoodPinSurvivesALaterBadEncode(t *testing.T) {
 		s.answer("/encode", scriptedAnswer{400, ct("application/json"),
 			`{"status":"error","message":"` + msg + `","req_id":"` + id + `"}`})
 		wantEnvelopeMsg(t, post(t, g.base+"/encode", encodeBody(id)), http.StatusBadRequest, msg, strp(id))
-		if pin, _ := g.Pool().Pins.Get(id); pin.State != upstream.PinEncoded {
+		if pin, _ := g.Pool().Pin(id); pin.State != upstream.PinEncoded {
 			t.Fatalf("pin %+v after the encoder's 400, want still encoded", pin)
 		}
 		const sizes = `{"req_id":"` + id + `","part_idx":0,"embedding_size":524288,"embedding_len":256,"embedding_dim":1024}`
@@ -1034,7 +1034,7 @@ func TestGen1DPPullBeforeItsEncodeEnds200(t *testing.T) {
 	cs := newCallers(t)
 	const id = "dp-early_local_part_0"
 	pull := cs.post(g.base+"/scheduler_receive_meta_data", metaBody(id))
-	eventually(t, "the pull to wait for the pin", func() bool { return g.Pool().Pins.Waiting() == 1 })
+	eventually(t, "the pull to wait for the pin", func() bool { return g.Pool().PinWaiters() == 1 })
 	if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
 		t.Fatalf("/encode: %d %s", a.status, a.body)
 	}

@@ -61,11 +61,11 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_pins",
 			Help: "req_id -> encoder pins held (expired ones not yet swept included).",
-		}, func() float64 { return float64(pool.Pins.Len()) }),
+		}, func() float64 { return float64(pool.PinsHeld()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_pin_waiters",
 			Help: "req_ids whose follow-ups are waiting for their /encode to pin them.",
-		}, func() float64 { return float64(pool.Pins.Waiting()) }),
+		}, func() float64 { return float64(pool.PinWaiters()) }),
 	)
 	// One series per state evicted, failed pins first to go, then pending,
 	// then encoded (upstream.PinTable).
@@ -77,7 +77,7 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.
 			Name:        "encgate_pin_evictions_total",
 			Help:        "Live pins dropped because affinity.max_pins was reached, by the state of the pin dropped (expired pins make room first and are not counted).",
 			ConstLabels: prometheus.Labels{"state": st.label},
-		}, func() float64 { return float64(pool.Pins.EvictionsOf(st.state)) }))
+		}, func() float64 { return float64(pool.PinEvictions(st.state)) }))
 	}
 	for _, r := range []string{"applied", "refused"} {
 		m.reloads.WithLabelValues(r)

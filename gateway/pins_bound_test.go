@@ -73,7 +73,7 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 		c.Affinity.MaxPins = bound
 		c.Affinity.UnknownWait = configfile.Duration(time.Hour)
 	})
-	pins := g.Pool().Pins
+	pins := g.Pool()
 	watch := watchPins(g)
 	const kept = "kept_local_part_0"
 	enc := post(t, g.base+"/encode", encodeBody(kept))
@@ -81,7 +81,7 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 		t.Fatalf("/encode: %d %s", enc.status, enc.body)
 	}
 	holder := enc.header.Get("X-Encgate-Encoder")
-	if pin, ok := pins.Local(kept); !ok || pin.State != upstream.PinEncoded || pin.Encoder != holder {
+	if pin, ok := pins.LocalPin(kept); !ok || pin.State != upstream.PinEncoded || pin.Encoder != holder {
 		t.Fatalf("pin after the /encode: %+v %v, want encoded on %s", pin, ok, holder)
 	}
 	encodes := func() int64 { return routesSeen(encs)["/encode"] }
@@ -91,7 +91,7 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 		id := fmt.Sprintf("bad-%d_local_part_0", i)
 		bad := strings.Replace(encodeBody(id), `"num_parts":1`, `"num_parts":0`, 1)
 		wantEnvelopeMsg(t, post(t, g.base+"/encode", bad), http.StatusBadRequest, "num_parts must be a positive integer", strp(id))
-		if n := pins.Len(); n != 1 {
+		if n := pins.PinsHeld(); n != 1 {
 			t.Fatalf("after refused /encode %d: %d pins, want the encoded one alone", i+1, n)
 		}
 	}
@@ -102,7 +102,7 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 	for i := 0; i < 100; i++ {
 		id := fmt.Sprintf("none-%d_local_part_0", i)
 		wantEnvelopeMsg(t, post(t, g.base+"/encode", encodeBody(id)), http.StatusServiceUnavailable, "encgate: no usable encoder", strp(id))
-		if n := pins.Len(); n != 1 {
+		if n := pins.PinsHeld(); n != 1 {
 			t.Fatalf("after /encode %d with no usable encoder: %d pins, want the encoded one alone", i+1, n)
 		}
 	}
@@ -112,16 +112,16 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 	if n := encodes(); n != 1 {
 		t.Fatalf("the encoders received %d /encodes, want the good one alone", n)
 	}
-	if _, ok := pins.Local("bad-0_local_part_0"); ok {
+	if _, ok := pins.LocalPin("bad-0_local_part_0"); ok {
 		t.Fatal("a refused /encode left a pin")
 	}
-	if pin, ok := pins.Local(kept); !ok || pin.State != upstream.PinEncoded {
+	if pin, ok := pins.LocalPin(kept); !ok || pin.State != upstream.PinEncoded {
 		t.Fatalf("the encoded pin after 400 refusals: %+v %v", pin, ok)
 	}
-	if pins.Evictions() != 0 {
-		t.Fatalf("%d pins evicted by refusals", pins.Evictions())
+	if pins.PinEvictionsTotal() != 0 {
+		t.Fatalf("%d pins evicted by refusals", pins.PinEvictionsTotal())
 	}
-	t.Logf("after 400 refused /encodes: %d pins, %d evictions, encgate_pins peak %d", pins.Len(), pins.Evictions(), watch.peak.Load())
+	t.Logf("after 400 refused /encodes: %d pins, %d evictions, encgate_pins peak %d", pins.PinsHeld(), pins.PinEvictionsTotal(), watch.peak.Load())
 
 	// 300 /encodes the encoders answer 400 themselves, 8 at a time: each
 	// places a pin (pending, then failed), so the table reaches its bound.
@@ -139,7 +139,7 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 				if a := post(t, g.base+"/encode", encodeBody(id)); a.status != http.StatusBadRequest {
 					t.Errorf("/encode %s: %d %s, want the encoder's 400", id, a.status, a.body)
 				}
-				if n := int64(pins.Len()); n > bound {
+				if n := int64(pins.PinsHeld()); n > bound {
 					over.Store(n)
 				}
 			}
@@ -152,12 +152,12 @@ func TestRefusedEncodesNeverTakeOrEvictAPin(t *testing.T) {
 	if n := over.Load(); n > 0 {
 		t.Fatalf("%d pins held, above max_pins %d", n, bound)
 	}
-	if pin, ok := pins.Local(kept); !ok || pin.State != upstream.PinEncoded || pin.Encoder != holder {
+	if pin, ok := pins.LocalPin(kept); !ok || pin.State != upstream.PinEncoded || pin.Encoder != holder {
 		t.Fatalf("the encoded pin after 300 failed /encodes: %+v %v", pin, ok)
 	}
 	// 1 + 300 pins into 64 slots, nothing expiring or released: 237 made
 	// room, every one a failed pin.
-	if f, p, e := pins.EvictionsOf(upstream.PinFailed), pins.EvictionsOf(upstream.PinPending), pins.EvictionsOf(upstream.PinEncoded); f != 237 || p != 0 || e != 0 {
+	if f, p, e := pins.PinEvictions(upstream.PinFailed), pins.PinEvictions(upstream.PinPending), pins.PinEvictions(upstream.PinEncoded); f != 237 || p != 0 || e != 0 {
 		t.Fatalf("evictions: failed %d, pending %d, encoded %d; want 237 failed alone", f, p, e)
 	}
 	if v := seriesValue(t, g, "encgate_pin_evictions_total", "state", "failed"); v != 237 {
@@ -174,7 +174,7 @@ wait:
 		case meta = <-got:
 			break wait
 		default:
-			if pins.Waiting() != 0 {
+			if pins.PinWaiters() != 0 {
 				t.Fatal("the metadata pull waits for a pin: the encoded pin was lost")
 			}
 			time.Sleep(time.Millisecond) // polls Waiting, which offers no signal
@@ -198,5 +198,5 @@ wait:
 		t.Fatalf("encgate_pins reached %d, above max_pins %d", peak, bound)
 	}
 	t.Logf("after 300 answered failures: %d pins (bound %d, encgate_pins peak %d); evictions failed %d, pending %d, encoded %d; the pull answered by %s",
-		pins.Len(), bound, peak, pins.EvictionsOf(upstream.PinFailed), pins.EvictionsOf(upstream.PinPending), pins.EvictionsOf(upstream.PinEncoded), holder)
+		pins.PinsHeld(), bound, peak, pins.PinEvictions(upstream.PinFailed), pins.PinEvictions(upstream.PinPending), pins.PinEvictions(upstream.PinEncoded), holder)
 }

@@ -210,7 +210,7 @@ func TestThreeReplicasActAsOne(t *testing.T) {
 			eventually(t, "the pulls waiting for their pins", func() bool {
 				sum := 0
 				for _, g := range r.gws {
-					sum += g.Pool().Pins.Waiting()
+					sum += g.Pool().PinWaiters()
 				}
 				return sum == wave
 			})

@@ -144,7 +144,7 @@ func TestEncodeRetriesOnTheNextEncoderWhenNothingWasDelivered(t *testing.T) {
 	if a.status != 200 || a.header.Get("X-Encgate-Attempts") != "2" || a.header.Get("X-Encgate-Encoder") != "enc-1" {
 		t.Fatalf("got %d attempts=%q encoder=%q %s", a.status, a.header.Get("X-Encgate-Attempts"), a.header.Get("X-Encgate-Encoder"), a.body)
 	}
-	if pin, _ := g.Pool().Pins.Get(id); pin.Encoder != "enc-1" {
+	if pin, _ := g.Pool().Pin(id); pin.Encoder != "enc-1" {
 		t.Fatalf("pinned to %q, want the encoder that took it", pin.Encoder)
 	}
 	if m := post(t, g.base+"/scheduler_receive_meta_data", metaBody(id)); m.status != 200 {

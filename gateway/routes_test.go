@@ -54,7 +54,7 @@ func TestRoutesAgainstBothGenerations(t *testing.T) {
 				t.Fatalf("/encode: %d %s", a.status, a.body)
 			}
 			holder := g.Pool().Encoders()[0].Name
-			if pin, _ := g.Pool().Pins.Get(id); pin.State != upstream.PinEncoded {
+			if pin, _ := g.Pool().Pin(id); pin.State != upstream.PinEncoded {
 				t.Fatalf("pin %+v", pin)
 			} else {
 				holder = pin.Encoder
@@ -73,7 +73,7 @@ func TestRoutesAgainstBothGenerations(t *testing.T) {
 					t.Fatalf("/send %d: %d %s", port, a.status, a.body)
 				}
 			}
-			if _, pinned := g.Pool().Pins.Get(id); pinned {
+			if _, pinned := g.Pool().Pin(id); pinned {
 				t.Fatal("the part stayed pinned after its last /send")
 			}
 			wantEnvelopeMsg(t, post(t, g.base+"/send", sendBody(id, 40002)), 500,

@@ -63,12 +63,8 @@ func (s *Server) pinnedEncoder(ctx *fasthttp.RequestCtx, reqID string, local boo
 	if len(ctx.Response.Header.Peek(headerEncoder)) != 0 {
 		return
 	}
-	get := s.pool.Pins.Get
-	if local {
-		get = s.pool.Pins.Local
-	}
-	if p, ok := get(reqID); ok && p.Encoder != "" {
-		ctx.Response.Header.Set(headerEncoder, p.Encoder)
+	if enc := s.pool.PinnedEncoder(reqID, local); enc != "" {
+		ctx.Response.Header.Set(headerEncoder, enc)
 	}
 }
 
@@ -80,7 +76,7 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 		// The caller's own call: its answer is already in the response.
 		s.pinnedEncoder(ctx, reqID, true)
 		if res.Released {
-			s.pool.Pins.Delete(reqID)
+			s.pool.Unpin(reqID)
 		}
 		return
 	case idempotency.Failed:

@@ -84,7 +84,7 @@ func TestReceiverTP4ReleasesAfterFourthDestination(t *testing.T) {
 			t.Fatalf("rank %d: %d %s replayed=%q", rank, a.status, a.body, a.header.Get("X-Encgate-Replayed"))
 		}
 	}
-	if _, pinned := g.Pool().Pins.Get(id); pinned {
+	if _, pinned := g.Pool().Pin(id); pinned {
 		t.Error("pin kept after release")
 	}
 	fifth := post(t, g.base+"/send", tpSend(id, 4, 4))

@@ -139,7 +139,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		// Pins live in Redis too, so that a follow-up reaching any replica
 		// finds its /encode's encoder.
 		ctx, cancel := context.WithCancel(context.Background())
-		done := pool.Pins.Share(ctx, upstream.NewRedisPins(kv, cfg.Redis.KeyPrefix, cfg.Affinity.PinTTL.D(),
+		done := pool.SharePins(ctx, upstream.NewRedisPins(kv, cfg.Redis.KeyPrefix, cfg.Affinity.PinTTL.D(),
 			cfg.Redis.DialTimeout.D()+cfg.Redis.Timeout.D(), cfg.Redis.PollInterval.D(), deps.Log.Named("pins"), deps.Registry),
 			listener.Sampled(deps.Log.Named("pins"), clk)) // a Redis outage fails every call: a few lines a second
 		stopPins = func() { cancel(); <-done }

@@ -85,7 +85,7 @@ func (r *affinityRig) hold(t *testing.T, name string, k int) {
 	for i := 0; i < k; i++ {
 		r.seq++
 		id := fmt.Sprintf("held-%s-%d_local_part_0", name, r.seq)
-		r.p.Pins.Set(id, name, e.ID())
+		r.p.pins.Set(id, name, e.ID())
 		r.held.Add(1)
 		go func() {
 			defer r.held.Done()
@@ -175,7 +175,7 @@ func TestContentPlacementFollowsTheMedia(t *testing.T) {
 				t.Fatalf("media %d, %s (req_id owner %s): /encode went to %s, want the media's owner %s",
 					i, id, mustOwner(t, p, id), got, want)
 			}
-			if pin, ok := p.Pins.Get(id); !ok || pin.Encoder != want || pin.State != PinEncoded {
+			if pin, ok := p.pins.Get(id); !ok || pin.Encoder != want || pin.State != PinEncoded {
 				t.Fatalf("%s: pin %+v %v, want encoded on %s", id, pin, ok, want)
 			}
 			for _, rt := range []*sglang.Route{sglang.RouteReceiveURL, sglang.RouteSend} {
@@ -267,7 +267,7 @@ func TestContentPlacementBoundsTheLoad(t *testing.T) {
 	if got := exchangeOn(t, p, encodeCall(id, m)); got != next {
 		t.Fatalf("with the owner over the bound the media went to %s, want the next in order %s (order %v)", got, next, order)
 	}
-	if pin, _ := p.Pins.Get(id); pin.Encoder != next {
+	if pin, _ := p.pins.Get(id); pin.Encoder != next {
 		t.Fatalf("the moved /encode is pinned to %s, want %s", pin.Encoder, next)
 	}
 	if got := exchangeOn(t, p, newCall(sglang.RouteReceiveURL, id)); got != next {
@@ -352,7 +352,7 @@ func TestContentPlacementRetriesOnTheNextInOrder(t *testing.T) {
 	if v := res.Verdict; v.Status != 200 || v.Encoder != order[1] || res.Attempts != 2 {
 		t.Fatalf("/encode whose media owner is down: %+v after %d attempts, want 200 on %s after 2", v, res.Attempts, order[1])
 	}
-	if pin, _ := r.p.Pins.Get(id); pin.Encoder != order[1] || pin.State != PinEncoded {
+	if pin, _ := r.p.pins.Get(id); pin.Encoder != order[1] || pin.State != PinEncoded {
 		t.Fatalf("pin after the retry: %+v, want encoded on %s", pin, order[1])
 	}
 }

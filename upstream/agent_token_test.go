@@ -94,8 +94,8 @@ func TestAgentTokenGoesToTheAgentOnly(t *testing.T) {
 	if added, removed, err := p.Reload(set); err != nil || len(added)+len(removed) != 0 {
 		t.Fatalf("Reload: added %v removed %v: %v", added, removed, err)
 	}
-	if after, _ := p.Lookup("a"); after != before || p.Pins.CountByEncoder()["a"] != 1 {
-		t.Fatalf("the token's reload rebuilt the encoder or lost its pin (%v)", p.Pins.CountByEncoder())
+	if after, _ := p.Lookup("a"); after != before || p.pins.CountByEncoder()["a"] != 1 {
+		t.Fatalf("the token's reload rebuilt the encoder or lost its pin (%v)", p.pins.CountByEncoder())
 	}
 	exchange(sglang.RouteSend, "r1")
 	if got := agent.last(t, "/send"); got != "Bearer second-token-0123456789" {

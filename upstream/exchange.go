@@ -167,7 +167,7 @@ func (p *Pool) unknownWhilePending(c *Call, v *Verdict) bool {
 		!bytes.Contains(c.Resp.Body(), []byte(sglang.UnknownReqID)) {
 		return false
 	}
-	pin, ok := p.Pins.Current(c.ReqID)
+	pin, ok := p.pins.Current(c.ReqID)
 	return ok && pin.State == PinPending
 }
 
@@ -192,7 +192,7 @@ func (p *Pool) endFailedRegistration(c *Call, t *target, v *Verdict) bool {
 		return false // not sent, or broken: the policy decides
 	}
 	l.set(&l.failedRegistration, No, now)
-	if pin, ok := p.Pins.Current(c.ReqID); ok && pin.Failed() {
+	if pin, ok := p.pins.Current(c.ReqID); ok && pin.Failed() {
 		*v = rememberedVerdict(pin)
 		return true
 	}
@@ -303,7 +303,7 @@ func (p *Pool) sleep(done <-chan struct{}, d time.Duration) bool {
 func (p *Pool) recordEncode(c *Call, res Result) {
 	v := res.Verdict
 	if v.Kind == KindAnswered && v.Status == fasthttp.StatusOK {
-		p.Pins.Encoded(c.ReqID, res.enc.id)
+		p.pins.Encoded(c.ReqID, res.enc.id)
 		return
 	}
 	msg, answered := v.Message, v.Kind == KindAnswered
@@ -316,7 +316,7 @@ func (p *Pool) recordEncode(c *Call, res Result) {
 		f.Message = AnswerMessage(c.Resp.Body())
 		f.Encoder, f.EncoderID = res.enc.Name, res.enc.id
 	}
-	p.Pins.Fail(c.ReqID, f)
+	p.pins.Fail(c.ReqID, f)
 }
 
 var messageKey = []string{"message"}
@@ -371,7 +371,7 @@ func (s *ranked) pick(n int, sent bool) (target, *Verdict, bool) {
 		// This replica's table only: with shared pins, Place asks the
 		// share in the same round trip (a sibling placed on another
 		// replica is followed from there).
-		if pin, ok := s.p.Pins.Local(s.c.ReqID); ok && !pin.Failed() {
+		if pin, ok := s.p.pins.Local(s.c.ReqID); ok && !pin.Failed() {
 			return s.followPin(n, sent)
 		}
 		s.list = s.p.placement(s.c, s.buf[:0])
@@ -397,11 +397,11 @@ func (s *ranked) place(e *Encoder) bool {
 	var ok bool
 	var pin Pin
 	if s.placed == nil {
-		pin, ok = s.p.Pins.Place(id, e.Name, e.id)
+		pin, ok = s.p.pins.Place(id, e.Name, e.id)
 	} else {
-		ok = s.placed == e || s.p.Pins.Move(id, s.placed.id, e.Name, e.id)
+		ok = s.placed == e || s.p.pins.Move(id, s.placed.id, e.Name, e.id)
 		if !ok {
-			pin, _ = s.p.Pins.Get(id)
+			pin, _ = s.p.pins.Get(id)
 		}
 	}
 	if ok {
@@ -444,7 +444,7 @@ type pinned struct {
 
 func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 	if n > 1 && s.t.enc != nil {
-		pin, ok := s.p.Pins.Current(s.c.ReqID)
+		pin, ok := s.p.pins.Current(s.c.ReqID)
 		switch {
 		case !ok:
 		case pin.Failed() && (!s.found || !s.forwardFailed(pin)):
@@ -460,9 +460,9 @@ func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 	var pin Pin
 	var ok bool
 	if s.c.Route.Kind == sglang.KindEncode {
-		pin, ok = s.p.Pins.Get(s.c.ReqID)
+		pin, ok = s.p.pins.Get(s.c.ReqID)
 	} else {
-		pin, ok = s.p.Pins.Wait(s.c.ReqID, s.p.aff.UnknownWait.D(), s.c.Done)
+		pin, ok = s.p.pins.Wait(s.c.ReqID, s.p.aff.UnknownWait.D(), s.c.Done)
 	}
 	return s.decide(pin, ok)
 }

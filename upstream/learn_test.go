@@ -114,7 +114,7 @@ func TestUnknownReqIDWhileEncodePendingIsRetried(t *testing.T) {
 	}
 	unknowns.Store(2)
 	e := p.Encoders()[0]
-	if _, ok := p.Pins.Place("r_local_part_0", e.Name, e.id); !ok {
+	if _, ok := p.pins.Place("r_local_part_0", e.Name, e.id); !ok {
 		t.Fatal("place")
 	}
 	c = pullCall("r_local_part_0", 0)

@@ -251,7 +251,7 @@ func TestExchangeClassesLongPolls(t *testing.T) {
 		<-arrived
 	}
 	hold(newCall(sglang.RouteMetadata, "hold-unknown_local_part_0"))
-	p.Pins.Set("hold-pending_local_part_0", "enc-1", e.ID()) // its /encode still running
+	p.pins.Set("hold-pending_local_part_0", "enc-1", e.ID()) // its /encode still running
 	hold(newCall(sglang.RouteMetadata, "hold-pending_local_part_0"))
 	if e.Polls() != 2 || e.Inflight() != 2 {
 		t.Fatalf("polls %d, inflight %d; want 2, 2", e.Polls(), e.Inflight())
@@ -259,7 +259,7 @@ func TestExchangeClassesLongPolls(t *testing.T) {
 
 	const pollMsg = "encgate: encoder enc-1 already holds 2 long polls (metadata pulls and registrations of parts not yet encoded; " +
 		"limits.poll_share 0.5 of limits.max_inflight_per_encoder 4); try again later"
-	p.Pins.Set("pending_local_part_0", "enc-1", e.ID())
+	p.pins.Set("pending_local_part_0", "enc-1", e.ID())
 	for _, c := range []*Call{
 		newCall(sglang.RouteMetadata, "unknown_local_part_0"),
 		newCall(sglang.RouteMetadata, "pending_local_part_0"),
@@ -273,8 +273,8 @@ func TestExchangeClassesLongPolls(t *testing.T) {
 
 	// A pull of a part encoded (the pin read as the attempt is picked),
 	// a /send and an /encode: the reserve.
-	p.Pins.Set("done_local_part_0", "enc-1", e.ID())
-	p.Pins.Encoded("done_local_part_0", e.ID())
+	p.pins.Set("done_local_part_0", "enc-1", e.ID())
+	p.pins.Encoded("done_local_part_0", e.ID())
 	for _, c := range []*Call{
 		newCall(sglang.RouteMetadata, "done_local_part_0"),
 		newCall(sglang.RouteReceiveURL, "done_local_part_0"),
@@ -345,11 +345,11 @@ func TestPinnedClassesEachAttempt(t *testing.T) {
 	if tg, end, ok := s.pick(1, false); end != nil || !ok || !tg.poll {
 		t.Fatalf("no pin: %+v %v %v, want a long poll", tg, end, ok)
 	}
-	p.Pins.Set(id, "enc-1", e.ID())
+	p.pins.Set(id, "enc-1", e.ID())
 	if tg, _, _ := s.pick(2, false); !tg.poll {
 		t.Fatal("a pending pin: not a long poll")
 	}
-	p.Pins.Encoded(id, e.ID())
+	p.pins.Encoded(id, e.ID())
 	if tg, _, _ := s.pick(3, false); tg.poll {
 		t.Fatal("an encoded pin: still a long poll")
 	}

@@ -48,7 +48,7 @@ func TestDrainingEncoderKeepsItsPinsAndGetsNoNewWork(t *testing.T) {
 	if d := p.Drained(); len(d) != 0 {
 		t.Fatalf("Drained = %v while a pin needs a", d)
 	}
-	p.Pins.Delete(pinned)
+	p.pins.Delete(pinned)
 	if d := p.Drained(); len(d) != 1 || d[0] != "a" {
 		t.Fatalf("Drained = %v once no pin needs a, want [a]", d)
 	}
@@ -70,8 +70,8 @@ func TestAFailedPinDoesNotHoldADrainingEncoder(t *testing.T) {
 	set.Encoders[0].Draining = true
 	p := newTestPool(t, set, prometheus.NewRegistry())
 	e, _ := p.Lookup("a")
-	p.Pins.Set("r1", "a", e.ID())
-	p.Pins.Fail("r1", Failure{Status: 500, Message: "x", Answered: true})
+	p.pins.Set("r1", "a", e.ID())
+	p.pins.Fail("r1", Failure{Status: 500, Message: "x", Answered: true})
 	if d := p.Drained(); len(d) != 1 {
 		t.Fatalf("Drained = %v with only a failed pin, want [a]", d)
 	}

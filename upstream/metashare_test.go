@@ -167,7 +167,7 @@ func TestMetadataPullsShareOneRoundTrip(t *testing.T) {
 	e0, _ := p.Lookup("enc-0")
 	e1, _ := p.Lookup("enc-1")
 	id := "req-a_local_part_0"
-	p.Pins.Set(id, "enc-0", e0.ID())
+	p.pins.Set(id, "enc-0", e0.ID())
 
 	calls := pullAll(t, p, enc, id, 0, 6, true)
 	if n := enc.pulls.Load(); n != 1 {
@@ -215,7 +215,7 @@ func TestMetadataPullsShareOneRoundTrip(t *testing.T) {
 		t.Errorf("another part_idx: %d pulls, want 2", n)
 	}
 	// The same part at another encoder: its own.
-	p.Pins.Set(id, "enc-1", e1.ID())
+	p.pins.Set(id, "enc-1", e1.ID())
 	p.Exchange(pullCall(id, 0))
 	if n := other.pulls.Load(); n != 1 {
 		t.Errorf("another encoder: %d pulls, want 1", n)
@@ -225,7 +225,7 @@ func TestMetadataPullsShareOneRoundTrip(t *testing.T) {
 	if n := p.meta.Len(); n != 3 {
 		t.Fatalf("%d answers kept, want 3", n)
 	}
-	p.Pins.Delete(id)
+	p.pins.Delete(id)
 	if res := p.Exchange(newCall(sglang.RouteEncode, id)); res.Verdict.Status != 200 {
 		t.Fatalf("/encode: %+v", res.Verdict)
 	}
@@ -240,7 +240,7 @@ func TestMetadataNotReadyIsNotKept(t *testing.T) {
 	p, _ := metaPool(t, 64, "enc-0", enc.srv.URL)
 	e0, _ := p.Lookup("enc-0")
 	id := "req-b_local_part_0"
-	p.Pins.Set(id, "enc-0", e0.ID())
+	p.pins.Set(id, "enc-0", e0.ID())
 	for i := 1; i <= 3; i++ {
 		c := pullCall(id, 0)
 		p.Exchange(c)
@@ -264,7 +264,7 @@ func TestMetadataSharingOff(t *testing.T) {
 	p, reg := metaPool(t, 0, "enc-0", enc.srv.URL)
 	e0, _ := p.Lookup("enc-0")
 	id := "req-c_local_part_0"
-	p.Pins.Set(id, "enc-0", e0.ID())
+	p.pins.Set(id, "enc-0", e0.ID())
 	pullAll(t, p, enc, id, 0, 6, false)
 	if n := enc.pulls.Load(); n != 6 {
 		t.Fatalf("sharing off: the encoder saw %d pulls, want 6", n)
@@ -285,7 +285,7 @@ func TestMetadataWaiterHonoursDone(t *testing.T) {
 	p, _ := metaPool(t, 64, "enc-0", enc.srv.URL)
 	e0, _ := p.Lookup("enc-0")
 	id := "req-d_local_part_0"
-	p.Pins.Set(id, "enc-0", e0.ID())
+	p.pins.Set(id, "enc-0", e0.ID())
 	lead := pullCall(id, 0)
 	leadDone := make(chan Result, 1)
 	go func() { leadDone <- p.Exchange(lead) }()
@@ -315,7 +315,7 @@ func TestMetadataWaiterHonoursItsTryTimeout(t *testing.T) {
 	p, _ := metaPool(t, 64, "enc-0", enc.srv.URL)
 	e0, _ := p.Lookup("enc-0")
 	id := "req-e_local_part_0"
-	p.Pins.Set(id, "enc-0", e0.ID())
+	p.pins.Set(id, "enc-0", e0.ID())
 	leadDone := make(chan Result, 1)
 	go func() { leadDone <- p.Exchange(pullCall(id, 0)) }()
 	<-enc.arrived
@@ -340,7 +340,7 @@ func TestMetadataShareRoundTrips(t *testing.T) {
 			p, _ := metaPool(t, size, "enc-0", enc.srv.URL)
 			e0, _ := p.Lookup("enc-0")
 			id := fmt.Sprintf("tp%d-%d_local_part_0", tp, size)
-			p.Pins.Set(id, "enc-0", e0.ID())
+			p.pins.Set(id, "enc-0", e0.ID())
 			// Half the ranks pull at once, the rest after the answer.
 			pullAll(t, p, enc, id, 0, tp/2, size > 0)
 			for r := tp / 2; r < tp; r++ {

@@ -415,7 +415,7 @@ type Pool struct {
 	clk  clock.Clock
 	rand func() float64
 	aff  AffinityConfig
-	Pins *PinTable
+	pins *PinTable
 	m    *poolMetrics
 	meta *metaShare // affinity.metadata_cache; nil: off
 
@@ -453,7 +453,7 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		clk:  clk,
 		rand: deps.Rand,
 		aff:  aff,
-		Pins: NewPinTable(aff.PinTTL.D(), aff.MaxPins, clk),
+		pins: NewPinTable(aff.PinTTL.D(), aff.MaxPins, clk),
 		m:    newPoolMetrics(deps.Registry),
 		done: make(chan struct{}),
 	}
@@ -868,7 +868,7 @@ func (p *Pool) sweep(ctx context.Context) {
 			t.Stop()
 			return
 		case <-t.C():
-			p.Pins.Sweep()
+			p.pins.Sweep()
 		}
 	}
 }
@@ -895,7 +895,7 @@ func (p *Pool) Drained() []string {
 	if len(draining) == 0 {
 		return nil
 	}
-	p.Pins.Holding(ids)
+	p.pins.Holding(ids)
 	var out []string
 	for _, e := range draining {
 		if ids[e.id] == 0 && e.Inflight() == 0 {

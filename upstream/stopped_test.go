@@ -243,7 +243,7 @@ func TestStoppedEncoderAtItsInflightLimitRefusesAtOnce(t *testing.T) {
 	if v := res.Verdict; v.Kind != KindAnswered || v.Status != 200 || res.enc == nil || res.enc.Name != "live" || res.Attempts != 2 {
 		t.Fatalf("an /encode owned by the stopped encoder at its limit: %+v after %d attempts on %v", v, res.Attempts, res.enc)
 	}
-	if pin, ok := p.Pins.Get(moved.ReqID); !ok || pin.Encoder != "live" || pin.State != PinEncoded {
+	if pin, ok := p.pins.Get(moved.ReqID); !ok || pin.Encoder != "live" || pin.State != PinEncoded {
 		t.Fatalf("the moved /encode's pin: %+v %v", pin, ok)
 	}
 	// Its first attempt, as the metrics read that one verdict: refused with
@@ -271,7 +271,7 @@ func TestStoppedEncoderAtItsInflightLimitRefusesAtOnce(t *testing.T) {
 
 	// A follow-up pinned to the stopped encoder: refused at once on every
 	// attempt (its state cannot move), answered with the gateway's 503.
-	p.Pins.Set(moved.ReqID+"-pinned", "stopped", enc.ID())
+	p.pins.Set(moved.ReqID+"-pinned", "stopped", enc.ID())
 	follow := p.Exchange(newCall(sglang.RouteMetadata, moved.ReqID+"-pinned"))
 	if v := follow.Verdict; v.Kind != KindRefused || v.Delivery != NotSent || v.Status != 503 || follow.Delivered ||
 		!strings.Contains(v.Message, "already has 2 requests in flight") {
