@@ -119,16 +119,7 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string
 		}
 		resp.SwapBody(ctx.Response.SwapBody(resp.Body()))
 	} else {
-		// A remembered failure is the encoder's answer again: logged when it
-		// was first given, not for each follow-up. The line is sampled
-		// (s.quiet): a client can make the gateway answer itself at any
-		// rate, and encgate_requests_total counts every answer.
-		if ce := s.quiet.Check(zapcore.WarnLevel, "request answered by the gateway"); ce != nil && v.Kind != upstream.KindRemembered {
-			ce.Write(zap.String("route", rt.Path), zap.String("req_id", reqID), zap.String("encoder", v.Encoder),
-				zap.Int("status", v.Status), zap.Stringer("kind", v.Kind), zap.String("message", v.Message))
-		}
-		s.recent.add(recentFailure{At: s.clk.Now(), Route: rt.Path, ReqID: reqID, Encoder: v.Encoder,
-			Status: v.Status, Kind: v.Kind.String(), Message: v.Message})
+		s.noteOwnAnswer(rt, reqID, v)
 		writeEnvelope(ctx, v.Status, v.Message, &reqID)
 	}
 	if v.Encoder != "" {
@@ -137,6 +128,21 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string
 	if res.Attempts > 0 {
 		ctx.Response.Header.Set(headerAttempts, strconv.Itoa(res.Attempts))
 	}
+}
+
+// noteOwnAnswer logs and keeps (the status page's recent answers) a
+// verdict the gateway answers itself instead of an encoder. A remembered
+// failure is the encoder's answer again: logged when it was first given,
+// not for each follow-up. The line is sampled (s.quiet): a client can make
+// the gateway answer itself at any rate, and encgate_requests_total counts
+// every answer.
+func (s *Server) noteOwnAnswer(rt *sglang.Route, reqID string, v *upstream.Verdict) {
+	if ce := s.quiet.Check(zapcore.WarnLevel, "request answered by the gateway"); ce != nil && v.Kind != upstream.KindRemembered {
+		ce.Write(zap.String("route", rt.Path), zap.String("req_id", reqID), zap.String("encoder", v.Encoder),
+			zap.Int("status", v.Status), zap.Stringer("kind", v.Kind), zap.String("message", v.Message))
+	}
+	s.recent.add(recentFailure{At: s.clk.Now(), Route: rt.Path, ReqID: reqID, Encoder: v.Encoder,
+		Status: v.Status, Kind: v.Kind.String(), Message: v.Message})
 }
 
 // serveHealth answers /health and /health_generate for the fleet: 200 while

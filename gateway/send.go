@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -27,8 +28,11 @@ const headerReplayed = "X-Encgate-Replayed"
 // retry it.
 const notForwardedMayRetry = "this call forwarded nothing, so the caller may retry it"
 
-// serveSend is the dedupe step of /send: exactly one call per (req_id,
-// destination) reaches the encoder; every caller gets that one answer. A
+// serveSend is /send after its parse: dedupe decides the call (replay a
+// stored answer, join an identical call in flight, forward it, or refuse
+// it); a forwarded call runs its exchange, whose result is what the store
+// records and what every caller of the key is given; one writer writes the
+// answer. Exactly one call per (req_id, destination) reaches the encoder. A
 // replay allocates only its key.
 //
 // Every answer names an encoder it concerns (X-Encgate-Encoder): a
@@ -41,39 +45,66 @@ const notForwardedMayRetry = "this call forwarded nothing, so the caller may ret
 // pin from Redis.
 func (s *Server) serveSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, body sglang.Send) {
 	req := idempotency.NewSend(body)
-	if res, ok := s.sends.Replay(context.Background(), req); ok {
-		s.writeSendResult(ctx, req, res)
-		return
+	var own sendExchange // this call's exchange, when dedupe forwards it
+	res, ok := s.sends.Replay(context.Background(), req)
+	if !ok {
+		deadline := s.clk.Now().Add(s.conf().Retry.Send.Deadline.D())
+		res = s.sends.Do(context.Background(), req, deadline, func(timeout time.Duration) (idempotency.Answer, bool) {
+			own = s.exchangeSend(ctx, rt, req.Key.ReqID, timeout)
+			return own.answer, own.delivered
+		})
 	}
-	deadline := s.clk.Now().Add(s.conf().Retry.Send.Deadline.D())
-	res := s.sends.Do(context.Background(), req, deadline, func(timeout time.Duration) (idempotency.Answer, bool) {
-		resp := fasthttp.AcquireResponse()
-		defer fasthttp.ReleaseResponse(resp)
-		r := s.exchange(ctx, rt, req.Key.ReqID, false, timeout, resp)
-		s.answer(ctx, rt, req.Key.ReqID, r, resp)
-		return s.snapshot(ctx, r), r.Delivered
-	})
-	s.writeSendResult(ctx, req, res)
+	s.writeSendResult(ctx, req, res, &own)
 }
 
-// pinnedEncoder names the encoder holding reqID in X-Encgate-Encoder, for
-// an answer that names none itself. local reads this replica's table
-// alone: the exchange has read the pin into it, or Redis is known down.
-func (s *Server) pinnedEncoder(ctx *fasthttp.RequestCtx, reqID string, local bool) {
-	if len(ctx.Response.Header.Peek(headerEncoder)) != 0 {
-		return
-	}
-	if enc := s.pool.PinnedEncoder(reqID, local); enc != "" {
-		ctx.Response.Header.Set(headerEncoder, enc)
-	}
+// sendExchange is a forwarded /send's exchange: the answer the caller gets
+// and the store keeps, and what only this caller's response carries.
+type sendExchange struct {
+	answer     idempotency.Answer
+	delivered  bool   // it reached the encoder: the store keeps it
+	retryAfter []byte // the encoder's Retry-After, if any
+	attempts   int
 }
 
-func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send, res idempotency.Result) {
+// exchangeSend runs a /send's exchange and makes its result an answer: the
+// encoder's (status, content type, body, copied once out of the pooled
+// response) or the gateway's own envelope for the verdict.
+func (s *Server) exchangeSend(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, timeout time.Duration) sendExchange {
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseResponse(resp)
+	r := s.exchange(ctx, rt, reqID, false, timeout, resp)
+	v := &r.Verdict
+	ex := sendExchange{delivered: r.Delivered, attempts: r.Attempts}
+	if v.Kind == upstream.KindAnswered {
+		ex.answer = idempotency.Answer{Status: resp.StatusCode(), ContentType: string(resp.Header.ContentType()),
+			Body: append([]byte(nil), resp.Body()...), Encoder: v.Encoder}
+		if ra := resp.Header.Peek(fasthttp.HeaderRetryAfter); len(ra) > 0 {
+			ex.retryAfter = append([]byte(nil), ra...)
+		}
+		return ex
+	}
+	s.noteOwnAnswer(rt, reqID, v)
+	ex.answer = idempotency.Answer{Status: v.Status, ContentType: contentTypeJSON,
+		Body: sglang.AppendEnvelope(nil, v.Message, &reqID), Encoder: v.Encoder}
+	return ex
+}
+
+// writeSendResult is the one writer of a /send's answer, whatever dedupe
+// decided: this call's own exchange (own), another call's answer (replayed
+// or shared), or the gateway's envelope for a refusal.
+func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send, res idempotency.Result, own *sendExchange) {
 	reqID := req.Key.ReqID
 	id := func() *string { c := reqID; return &c } // only error branches pay for it
 	switch res.Outcome {
 	case idempotency.Forwarded, idempotency.FailedOpen:
-		// The caller's own call: its answer is already in the response.
+		// The caller's own call.
+		writeAnswer(ctx, res.Answer)
+		if len(own.retryAfter) > 0 {
+			ctx.Response.Header.SetBytesV(fasthttp.HeaderRetryAfter, own.retryAfter)
+		}
+		if own.attempts > 0 {
+			ctx.Response.Header.Set(headerAttempts, strconv.Itoa(own.attempts))
+		}
 		s.pinnedEncoder(ctx, reqID, true)
 		if res.Released {
 			s.pool.Unpin(reqID)
@@ -113,15 +144,15 @@ func (s *Server) writeSendResult(ctx *fasthttp.RequestCtx, req idempotency.Send,
 	s.pinnedEncoder(ctx, reqID, false)
 }
 
-// snapshot copies the caller's response into an Answer the store and other
-// waiters may keep after this request is done, with the encoder that
-// answered (the name the exchange set, from the pool's own strings).
-func (s *Server) snapshot(ctx *fasthttp.RequestCtx, r upstream.Result) idempotency.Answer {
-	return idempotency.Answer{
-		Status:      ctx.Response.StatusCode(),
-		ContentType: string(ctx.Response.Header.ContentType()),
-		Body:        append([]byte(nil), ctx.Response.Body()...),
-		Encoder:     r.Verdict.Encoder,
+// pinnedEncoder names the encoder holding reqID in X-Encgate-Encoder, for
+// an answer that names none itself. local reads this replica's table
+// alone: the exchange has read the pin into it, or Redis is known down.
+func (s *Server) pinnedEncoder(ctx *fasthttp.RequestCtx, reqID string, local bool) {
+	if len(ctx.Response.Header.Peek(headerEncoder)) != 0 {
+		return
+	}
+	if enc := s.pool.PinnedEncoder(reqID, local); enc != "" {
+		ctx.Response.Header.Set(headerEncoder, enc)
 	}
 }
 
@@ -135,5 +166,5 @@ func writeAnswer(ctx *fasthttp.RequestCtx, a idempotency.Answer) {
 	if a.Encoder != "" {
 		ctx.Response.Header.Set(headerEncoder, a.Encoder)
 	}
-	ctx.SetBody(a.Body)
+	ctx.Response.SetBodyRaw(a.Body) // the answer is never written to again: no copy
 }
