@@ -9,7 +9,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"github.com/encgate/encgate/internal/statuspage"
+	"github.com/encgate/encgate/internal/admin"
 )
 
 // The status page (GET / on the admin listener, behind admin.token like
@@ -22,7 +22,7 @@ import (
 //go:embed status.html
 var statusHTML string
 
-var statusPage = statuspage.Parse("status", statusHTML, template.FuncMap{
+var statusPage = admin.Parse("status", statusHTML, template.FuncMap{
 	"lower": strings.ToLower,
 	"ago": func(t time.Time, now time.Time) string {
 		if t.IsZero() {
@@ -39,14 +39,14 @@ type statusView struct {
 	Listen     string
 	Ready      bool
 	Encoders   []UpstreamState
-	Counters   []statuspage.Group
+	Counters   []admin.Group
 	Failures   []recentFailure
 	Reloadable string // the reloadable config, as YAML
 	Refresh    int    // seconds
 }
 
 // statusFamilies are the counters the page shows, in order.
-var statusFamilies = []statuspage.Family{
+var statusFamilies = []admin.Family{
 	{Title: "Duplicate /sends suppressed, by reason", Name: "encgate_send_duplicates_suppressed_total"},
 	{Title: "/sends forwarded", Name: "encgate_send_forwarded_total"},
 	{Title: "Retries, by route and reason", Name: "encgate_retries_total"},
@@ -77,7 +77,7 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 	if s.ln != nil {
 		v.Listen = s.ln.Addr().String()
 	}
-	v.Counters = statuspage.Gather(s.reg, statusFamilies)
+	v.Counters = admin.Gather(s.reg, statusFamilies)
 	token := "not set"
 	switch {
 	case c.Admin.TokenFile != "":
@@ -89,5 +89,5 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 		Health: c.Health, MaxInflightPerEncoder: c.Limits.MaxInflightPerEncoder,
 		PollShare: c.Limits.PollShare, AdminToken: token, LogLevel: c.Log.Level})
 	v.Reloadable = string(y)
-	statuspage.Write(w, statusPage, v)
+	admin.Write(w, statusPage, v)
 }

@@ -5,21 +5,21 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/encgate/encgate/internal/statuspage"
+	"github.com/encgate/encgate/internal/admin"
 )
 
 // The agent's status page (GET / on its admin listener, behind admin.token
 // like /admin/staged): what it holds staged, for whom, and how its
 // transfers and acks went, as one self-contained page that refreshes
-// itself (internal/statuspage).
+// itself (internal/admin).
 
 //go:embed status.html
 var agentStatusHTML string
 
-var agentStatusPage = statuspage.Parse("agent-status", agentStatusHTML, nil)
+var agentStatusPage = admin.Parse("agent-status", agentStatusHTML, nil)
 
 // agentStatusFamilies are the counters the page shows, in order.
-var agentStatusFamilies = []statuspage.Family{
+var agentStatusFamilies = []admin.Family{
 	{Title: "Transfers, by result", Name: "encgate_agent_transfers_total"},
 	{Title: "Bytes transferred", Name: "encgate_agent_transfer_bytes_total"},
 	{Title: "Acks, by result", Name: "encgate_agent_acks_total"},
@@ -35,7 +35,7 @@ type agentStatusView struct {
 	HeldBytes   int64
 	Capacity    int64
 	Entries     []StagedEntry
-	Counters    []statuspage.Group
+	Counters    []admin.Group
 	Refresh     int
 	ShownMax    int
 	EntriesMore int
@@ -50,11 +50,11 @@ func (a *Agent) serveStatus(w http.ResponseWriter, _ *http.Request) {
 	held, _ := a.store.usage()
 	entries := a.store.snapshot(now)
 	v := agentStatusView{Now: now, Ready: a.ready.Load(), HeldBytes: held, Capacity: int64(a.cfg.Staging.CapacityBytes),
-		Counters: statuspage.Gather(a.reg, agentStatusFamilies), Refresh: 5, ShownMax: agentStatusMaxEntries}
+		Counters: admin.Gather(a.reg, agentStatusFamilies), Refresh: 5, ShownMax: agentStatusMaxEntries}
 	if len(entries) > agentStatusMaxEntries {
 		v.EntriesMore = len(entries) - agentStatusMaxEntries
 		entries = entries[:agentStatusMaxEntries]
 	}
 	v.Entries = entries
-	statuspage.Write(w, agentStatusPage, v)
+	admin.Write(w, agentStatusPage, v)
 }

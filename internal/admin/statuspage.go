@@ -1,11 +1,11 @@
-// Package statuspage holds what the gateway's and the agent's status pages
+// Package admin holds what the gateway's and the agent's status pages
 // (GET / on their admin listeners) share: the counters read from a
 // Prometheus registry for a table, the page's style, and how a page is
 // written. Each page is one self-contained HTML document, rendered with
 // html/template (every value escaped), that refreshes itself; the
 // Content-Security-Policy it is served with forbids loading anything, so
 // nothing a page shows can pull in a script or an image from elsewhere.
-package statuspage
+package admin
 
 import (
 	"bytes"
