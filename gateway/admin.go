@@ -3,81 +3,31 @@ package gateway
 import (
 	"encoding/json"
 	"net/http"
-	"net/http/pprof"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
+	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/bearer"
-	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
 
-// adminMux serves the admin listener. With admin.token set, /admin/... and
-// /debug/pprof/... (heap, goroutine stacks and the command line are in
-// there) need the bearer token; /healthz and /readyz stay open for probes,
-// and /metrics for scrapers (its labels are bounded: route, code, encoder
-// name; never a req_id or a URL).
+// adminMux serves the admin listener: the routes every admin listener
+// has (internal/admin: /metrics, /healthz, /readyz, pprof), and the
+// gateway's own behind admin.token, read from the live config per request.
 func (s *Server) adminMux() *http.ServeMux {
-	mux := http.NewServeMux()
-	protected := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, s.requireToken(h)) }
-	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{Registry: s.reg}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		_, _ = w.Write([]byte("ok\n"))
-	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !s.ready.Load() {
-			http.Error(w, "not ready", http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = w.Write([]byte("ready\n"))
+	mux, protected := admin.NewMux(admin.Options{
+		Registry: s.reg,
+		Ready:    s.ready.Load,
+		Token:    func() string { return s.conf().Admin.token() },
+		Realm:    "encgate admin",
+		Refused:  func(*http.Request, bearer.Outcome) { s.metrics.adminUnauthorized.Inc() },
 	})
 	protected("GET /{$}", s.serveStatus) // the status page (status.go)
 	protected("GET /admin/upstreams", s.serveUpstreams)
 	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
 	protected("GET /admin/registrations", s.serveRegistrations)
-	// Go's profiler, on the admin listener only (never the encoder-facing one).
-	protected("GET /debug/pprof/", pprof.Index)
-	protected("GET /debug/pprof/cmdline", pprof.Cmdline)
-	protected("GET /debug/pprof/profile", pprof.Profile)
-	protected("GET /debug/pprof/symbol", pprof.Symbol)
-	protected("GET /debug/pprof/trace", pprof.Trace)
 	return mux
-}
-
-// bearerRealm is the challenge of a 401 on the admin listener.
-const bearerRealm = "encgate admin"
-
-// requireToken lets a request through to h when admin.token is unset or the
-// request carries "Authorization: Bearer <token>" (the scheme in any case,
-// RFC 7235); otherwise it answers 401 with a Bearer challenge (RFC 6750).
-// The live config is read per request, so a reload changes the token at
-// once. Tokens are compared in constant time, as SHA-256 digests so that
-// not even the length leaks.
-func (s *Server) requireToken(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch o := bearer.Authorize(r.Header.Get("Authorization"), s.conf().Admin.token()); o {
-		case bearer.Allowed:
-			h.ServeHTTP(w, r)
-		default:
-			s.metrics.adminUnauthorized.Inc()
-			w.Header().Set("WWW-Authenticate", bearer.Challenge(bearerRealm, o))
-			msg := `encgate: this admin route needs "Authorization: Bearer <admin.token>"`
-			if o == bearer.Wrong {
-				msg = "encgate: the bearer token is not admin.token"
-			}
-			writeAdminError(w, http.StatusUnauthorized, msg)
-		}
-	})
-}
-
-// writeAdminError answers an admin request with the gateway's envelope.
-func writeAdminError(w http.ResponseWriter, status int, msg string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_, _ = w.Write(sglang.AppendEnvelope(nil, msg, nil))
 }
 
 // serveSendRecord shows one req_id's /send destinations: done (with the

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"net/http/pprof"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -15,11 +14,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/gpuagent/mooncake"
 	"github.com/encgate/encgate/gpuagent/pipeline"
+	"github.com/encgate/encgate/internal/admin"
+	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/sglang"
 )
@@ -380,29 +380,25 @@ func (a *Agent) dialer(timeout time.Duration) *net.Dialer {
 	}
 }
 
+// adminMux serves the agent's admin listener: the routes every admin
+// listener has (internal/admin), and the agent's own behind admin.token.
 func (a *Agent) adminMux() *http.ServeMux {
-	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{Registry: a.reg}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		_, _ = w.Write([]byte("ok\n"))
+	mux, protected := admin.NewMux(admin.Options{
+		Registry: a.reg,
+		Ready:    a.ready.Load,
+		Token:    func() string { return a.cfg.Admin.Token },
+		Realm:    "encgate agent admin",
+		Refused: func(r *http.Request, o bearer.Outcome) {
+			a.metrics.unauthorized.WithLabelValues("admin").Inc()
+			if c := a.log.Check(zap.DebugLevel, "refused an unauthenticated request"); c != nil {
+				c.Write(zap.String("door", "admin"), zap.String("path", r.URL.Path), zap.String("remote", r.RemoteAddr))
+			}
+		},
 	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !a.ready.Load() {
-			http.Error(w, "not ready", http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = w.Write([]byte("ready\n"))
-	})
-	protected := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, a.requireAdminToken(h)) }
 	protected("GET /{$}", a.serveStatus) // the status page (status.go)
 	protected("GET /admin/staged", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, a.store.snapshot(a.clk.Now()))
 	})
-	protected("GET /debug/pprof/", pprof.Index)
-	protected("GET /debug/pprof/cmdline", pprof.Cmdline)
-	protected("GET /debug/pprof/profile", pprof.Profile)
-	protected("GET /debug/pprof/symbol", pprof.Symbol)
-	protected("GET /debug/pprof/trace", pprof.Trace)
 	return mux
 }
 

@@ -339,21 +339,6 @@ func (a *Agent) requireToken(h http.Handler) http.Handler {
 	})
 }
 
-// requireAdminToken is the gateway's admin rule: with admin.token set, the
-// route needs it.
-func (a *Agent) requireAdminToken(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch o := bearer.Authorize(r.Header.Get("Authorization"), a.cfg.Admin.Token); o {
-		case bearer.Missing:
-			a.unauthorized(w, r, "admin", o, `encgate: this admin route needs "Authorization: Bearer <admin.token>"`)
-		case bearer.Wrong:
-			a.unauthorized(w, r, "admin", o, "encgate: the bearer token is not admin.token")
-		default:
-			h.ServeHTTP(w, r)
-		}
-	})
-}
-
 // unauthorized answers 401 with a Bearer challenge (RFC 6750) and counts it.
 func (a *Agent) unauthorized(w http.ResponseWriter, r *http.Request, door string, o bearer.Outcome, msg string) {
 	a.metrics.unauthorized.WithLabelValues(door).Inc()

@@ -1,0 +1,87 @@
+package admin
+
+import (
+	"net/http"
+	"net/http/pprof"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/encgate/encgate/internal/bearer"
+	"github.com/encgate/encgate/internal/sglang"
+)
+
+// Options describe one admin listener: the gateway's or the agent's.
+type Options struct {
+	// Registry is what /metrics serves.
+	Registry *prometheus.Registry
+	// Ready answers /readyz: 200 "ready" while it is true, else 503.
+	Ready func() bool
+	// Token is admin.token as it is now ("": the protected routes are
+	// open); it is read per request, so a reload changes it at once.
+	Token func() string
+	// Realm is the Bearer challenge's realm on a 401.
+	Realm string
+	// Refused, when set, is told of each request answered 401 (a counter,
+	// a debug line).
+	Refused func(r *http.Request, o bearer.Outcome)
+}
+
+// NewMux returns the routes every admin listener serves, and protect, which
+// adds a route of the caller's behind admin.token. /healthz and /readyz
+// stay open for probes, and /metrics for scrapers (its labels are bounded:
+// never a req_id or a URL); the status page, /admin/... and Go's profiler
+// under /debug/pprof/ (heap, goroutine stacks and the command line are in
+// there) need the bearer token when admin.token is set.
+func NewMux(o Options) (mux *http.ServeMux, protect func(pattern string, h http.HandlerFunc)) {
+	mux = http.NewServeMux()
+	protect = func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, requireToken(o, h)) }
+	mux.Handle("GET /metrics", promhttp.HandlerFor(o.Registry, promhttp.HandlerOpts{Registry: o.Registry}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !o.Ready() {
+			http.Error(w, "not ready", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	protect("GET /debug/pprof/", pprof.Index)
+	protect("GET /debug/pprof/cmdline", pprof.Cmdline)
+	protect("GET /debug/pprof/profile", pprof.Profile)
+	protect("GET /debug/pprof/symbol", pprof.Symbol)
+	protect("GET /debug/pprof/trace", pprof.Trace)
+	return mux, protect
+}
+
+// requireToken lets a request through to h when the token is unset or the
+// request carries "Authorization: Bearer <token>" (the scheme in any case,
+// RFC 7235); otherwise it answers 401 with a Bearer challenge (RFC 6750)
+// and the encoder's error envelope. bearer.Authorize compares in constant
+// time, as SHA-256 digests, so that not even the length leaks.
+func requireToken(o Options, h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		out := bearer.Authorize(r.Header.Get("Authorization"), o.Token())
+		if out == bearer.Allowed {
+			h.ServeHTTP(w, r)
+			return
+		}
+		if o.Refused != nil {
+			o.Refused(r, out)
+		}
+		w.Header().Set("WWW-Authenticate", bearer.Challenge(o.Realm, out))
+		msg := `encgate: this admin route needs "Authorization: Bearer <admin.token>"`
+		if out == bearer.Wrong {
+			msg = "encgate: the bearer token is not admin.token"
+		}
+		WriteError(w, http.StatusUnauthorized, msg)
+	})
+}
+
+// WriteError answers an admin request with the encoder's error envelope.
+func WriteError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(sglang.AppendEnvelope(nil, msg, nil))
+}
