@@ -21,9 +21,11 @@ import (
 	"runtime/debug"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
@@ -31,6 +33,7 @@ import (
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
+	"github.com/encgate/encgate/internal/redisclient"
 
 	// The image (deploy/image) is built from scratch and holds no CA
 	// certificates: crypto/x509 uses these roots (Mozilla's, kept by
@@ -255,12 +258,19 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n%s\n", *path, len(cfg.Encoders), fds)
 		return 0
 	}
-	log, level, err := newLogger(cfg.Log.Level)
+	log, level, err := newLogger(cfg.Log.Level, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "gateway:", err)
 		return 2
 	}
 	defer func() { _ = log.Sync() }()
+	// go-redis logs through one logger per process (redis.SetLogger), by
+	// default plain-text lines on stderr; the process entry is where a
+	// global of the process is set, so its lines join this logger's JSON
+	// here rather than in a library package. (Tests that run several
+	// gateways in one process through run() each install theirs; the last
+	// one gets go-redis's lines.)
+	redis.SetLogger(redisclient.NewLogger(log))
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
@@ -333,7 +343,7 @@ func runAgent(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s: valid\n", *path)
 		return 0
 	}
-	log, _, err := newLogger(cfg.Log.Level)
+	log, _, err := newLogger(cfg.Log.Level, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "agent:", err)
 		return 2
@@ -403,17 +413,27 @@ func printProblems(w io.Writer, path string, err error) {
 	}
 }
 
-func newLogger(level string) (*zap.Logger, zap.AtomicLevel, error) {
+// newLogger is the process's JSON logger, writing to w at level. Its
+// entries carry no stack trace below DPanic: what is logged at error (a
+// refused reload, an address already in use, a bad config) is an expected
+// condition that its message and fields explain, and a stack of the
+// process's own main loop would only bury it.
+func newLogger(level string, w io.Writer) (*zap.Logger, zap.AtomicLevel, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
 		return nil, zap.AtomicLevel{}, err
 	}
-	zc := zap.NewProductionConfig()
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.EncoderConfig.TimeKey = "ts"
-	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	log, err := zc.Build()
-	return log, zc.Level, err
+	atom := zap.NewAtomicLevelAt(lvl)
+	ec := zap.NewProductionEncoderConfig()
+	ec.TimeKey = "ts"
+	ec.EncodeTime = zapcore.ISO8601TimeEncoder
+	out := zapcore.Lock(zapcore.AddSync(w))
+	core := zapcore.NewCore(zapcore.NewJSONEncoder(ec), out, atom)
+	// zap.NewProduction's sampling: per second and message, the first 100
+	// entries, then every 100th.
+	core = zapcore.NewSamplerWithOptions(core, time.Second, 100, 100)
+	log := zap.New(core, zap.AddCaller(), zap.AddStacktrace(zapcore.DPanicLevel), zap.ErrorOutput(out))
+	return log, atom, nil
 }
 
 func runFakeEncoder(args []string, stdout, stderr io.Writer) int {
