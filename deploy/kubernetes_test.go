@@ -52,6 +52,7 @@ import (
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 const (
@@ -2102,10 +2103,9 @@ func kubeLoopbackPorts(t *testing.T, ips []string) (int, int) {
 
 func newKubeRedisRun(t *testing.T, rs kubeRedisSet) *kubeRedisRun {
 	t.Helper()
-	for _, bin := range []string{"sh", "timeout", redistest.Binary, redistest.SentinelBinary, "redis-cli"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Skipf("%s is not installed", bin)
-		}
+	for _, need := range [][2]string{{"sh", "dash"}, {"timeout", "coreutils"}, {redistest.Binary, "redis-server"},
+		{redistest.SentinelBinary, "redis-sentinel"}, {"redis-cli", "redis-tools"}} {
+		testtool.Need(t, need[0], need[1])
 	}
 	r := &kubeRedisRun{t: t, rs: rs, names: rs.podNames(), running: map[*exec.Cmd]chan struct{}{}, clients: map[string]*goredis.Client{}}
 	for i := range r.names {
