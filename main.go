@@ -62,17 +62,19 @@ usage:
 const (
 	gatewayHelp = `usage: encgate gateway --config FILE [--check]
 
-Serve the gateway: the encoder-facing and admin listeners of the config.
-SIGHUP reloads the config (an invalid one is refused and the running config
-stays); SIGINT or SIGTERM drains (shutdown.delay, then shutdown.grace).
+Serve the gateway in front of the config's encoders, on its listen,
+admin_listen and (when set) bootstrap.listen addresses. SIGHUP reloads the
+config (an invalid one is refused and the running config stays); SIGINT or
+SIGTERM drains (shutdown.delay, then shutdown.grace).
 
 flags:
 `
 	agentHelp = `usage: encgate agent --config FILE [--check]
 
-Serve the per-node gpuagent, which moves staged embeddings to their
-destinations for the gateway's /sends. SIGINT or SIGTERM drains
-(shutdown.grace).
+Serve the per-node gpuagent: it holds the embeddings the node's encoder
+stages over a Unix socket and performs sglang's /send for them, writing
+the bytes into the receiver's buffer over Mooncake's TCP transport.
+SIGINT or SIGTERM drains (shutdown.grace).
 
 flags:
 `
