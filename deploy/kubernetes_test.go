@@ -2011,7 +2011,7 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 func TestKubeKustomizeBuild(t *testing.T) {
 	kubectl, err := exec.LookPath("kubectl")
 	if err != nil {
-		t.Skip("kubectl is not installed")
+		t.Skip("kubectl is not installed") // optional: not a test dependency .ci/run installs, so not testtool.Need
 	}
 	kit := kubeLoad(t)
 	var stderr bytes.Buffer
