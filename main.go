@@ -5,9 +5,11 @@
 //	encgate fake-encoder --listen ADDR ...    a faithful fake sglang encoder
 //	encgate demo                              a whole local fleet, end to end
 //	encgate version
+//	encgate help [COMMAND]                    (or COMMAND --help)
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -15,11 +17,15 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/debug"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
@@ -28,6 +34,7 @@ import (
 	"github.com/encgate/encgate/gateway"
 	"github.com/encgate/encgate/gpuagent"
 	"github.com/encgate/encgate/internal/listener"
+	"github.com/encgate/encgate/internal/redisclient"
 
 	// The image (deploy/image) is built from scratch and holds no CA
 	// certificates: crypto/x509 uses these roots (Mozilla's, kept by
@@ -47,7 +54,47 @@ usage:
   encgate fake-encoder --listen ADDR [--name N] [--mode mooncake|zmq] [--register-url URL ...] [--cache-items N] [fault flags]
   encgate demo
   encgate version
+  encgate help [COMMAND]
+
+"encgate COMMAND --help" describes every flag of COMMAND.
 `
+
+// Each command's help: what it does, then (from its FlagSet) every flag.
+const (
+	gatewayHelp = `usage: encgate gateway --config FILE [--check]
+
+Serve the gateway in front of the config's encoders, on its listen,
+admin_listen and (when set) bootstrap.listen addresses. SIGHUP reloads the
+config (an invalid one is refused and the running config stays); SIGINT or
+SIGTERM drains (shutdown.delay, then shutdown.grace).
+
+flags:
+`
+	agentHelp = `usage: encgate agent --config FILE [--check]
+
+Serve the per-node gpuagent: it holds the embeddings the node's encoder
+stages over a Unix socket and performs sglang's /send for them, writing
+the bytes into the receiver's buffer over Mooncake's TCP transport.
+SIGINT or SIGTERM drains (shutdown.grace).
+
+flags:
+`
+	fakeEncoderHelp = `usage: encgate fake-encoder [flags]
+
+Serve a fake sglang encoder (the HTTP API of sglang's encode server) with
+injectable faults, for tests and demos. SIGINT or SIGTERM unregisters from
+every --register-url and exits.
+
+flags:
+`
+	demoHelp = `usage: encgate demo
+
+Run a whole local fleet end to end (3 fake encoders with their gpuagents,
+one gateway, one receiver, an sglang-like workload; then an encoder that
+joins by registration and drains), print a summary, and exit non-zero if
+any invariant it checks fails. It takes no flags.
+`
+)
 
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
@@ -64,17 +111,26 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "agent":
 		return runAgent(args[1:], stdout, stderr)
 	case "fake-encoder":
-		return runFakeEncoder(args[1:], stderr)
+		return runFakeEncoder(args[1:], stdout, stderr)
 	case "demo":
-		if err := demo.Run(context.Background(), stdout, demo.Options{}); err != nil {
-			fmt.Fprintln(stderr, "demo:", err)
-			return 1
-		}
-		return 0
+		return runDemo(args[1:], stdout, stderr)
 	case "version", "--version", "-v":
-		fmt.Fprintln(stdout, "encgate", versionString())
+		bi, ok := debug.ReadBuildInfo()
+		if !ok {
+			bi = nil
+		}
+		fmt.Fprint(stdout, versionText(version, bi))
 		return 0
-	case "help", "--help", "-h":
+	case "help", "--help", "-help", "-h":
+		if len(args) > 1 && args[1] != "" && args[1][0] != '-' {
+			// encgate help COMMAND is COMMAND --help.
+			switch args[1] {
+			case "gateway", "agent", "fake-encoder", "demo":
+				return run([]string{args[1], "--help"}, stdout, stderr)
+			}
+			fmt.Fprintf(stderr, "unknown command %q\n\n%s", args[1], usage)
+			return 2
+		}
 		fmt.Fprint(stdout, usage)
 		return 0
 	default:
@@ -83,25 +139,107 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 }
 
-func versionString() string {
-	v := version
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" && len(s.Value) >= 12 {
-				v += " (" + s.Value[:12] + ")"
-			}
-		}
+// newFlagSet is a command's FlagSet whose usage is help followed by the
+// description of every flag.
+func newFlagSet(name, help string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), help)
+		fs.PrintDefaults()
 	}
-	return v
+	return fs
+}
+
+// parseFlags parses args into fs. -h or --help prints the command's usage
+// to stdout and ends the command with exit status 0; any other error (an
+// unknown flag, a bad value, a stray argument) prints the error and the
+// usage to stderr, exit status 2. ok is true when the command should go on.
+func parseFlags(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) (code int, ok bool) {
+	var errOut bytes.Buffer
+	fs.SetOutput(&errOut)
+	err := fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fs.SetOutput(stdout)
+		fs.Usage()
+		return 0, false
+	}
+	fs.SetOutput(stderr)
+	if err != nil {
+		_, _ = stderr.Write(errOut.Bytes())
+		return 2, false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "unexpected argument %q\n", fs.Arg(0))
+		fs.Usage()
+		return 2, false
+	}
+	return 0, true
+}
+
+func runDemo(args []string, stdout, stderr io.Writer) int {
+	fs := newFlagSet("demo", demoHelp)
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
+	}
+	if err := demo.Run(context.Background(), stdout, demo.Options{}); err != nil {
+		fmt.Fprintln(stderr, "demo:", err)
+		return 1
+	}
+	return 0
+}
+
+// versionText is what `encgate version` prints: the version (main.version
+// when set with -ldflags, else the main module's version that the go
+// command stamped, else "dev"), then, from the build info, the VCS commit
+// with its dirty flag and time, and the Go version and platform.
+func versionText(ldVersion string, bi *debug.BuildInfo) string {
+	v := ldVersion
+	if bi != nil && (v == "" || v == "dev") && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		v = bi.Main.Version
+	}
+	if v == "" {
+		v = "dev"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "encgate %s\n", v)
+	if bi == nil {
+		fmt.Fprintf(&b, "commit: unknown (no build info)\ngo: %s %s/%s\n", runtime.Version(), runtime.GOOS, runtime.GOARCH)
+		return b.String()
+	}
+	settings := map[string]string{}
+	for _, s := range bi.Settings {
+		settings[s.Key] = s.Value
+	}
+	if rev := settings["vcs.revision"]; rev != "" {
+		fmt.Fprintf(&b, "commit: %s", rev)
+		if settings["vcs.modified"] == "true" {
+			b.WriteString(" (dirty)")
+		}
+		if t := settings["vcs.time"]; t != "" {
+			fmt.Fprintf(&b, " %s", t)
+		}
+		b.WriteString("\n")
+	} else {
+		b.WriteString("commit: unknown (built without VCS information)\n")
+	}
+	goos, goarch := settings["GOOS"], settings["GOARCH"]
+	if goos == "" {
+		goos, goarch = runtime.GOOS, runtime.GOARCH
+	}
+	goVersion := bi.GoVersion
+	if goVersion == "" {
+		goVersion = runtime.Version()
+	}
+	fmt.Fprintf(&b, "go: %s %s/%s\n", goVersion, goos, goarch)
+	return b.String()
 }
 
 func runGateway(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("gateway", gatewayHelp)
 	path := fs.String("config", "", "gateway YAML config `file` (required)")
-	check := fs.Bool("check", false, "validate the config, print every problem, and exit (0 valid, 2 invalid)")
-	if err := fs.Parse(args); err != nil {
-		return 2
+	check := fs.Bool("check", false, "validate the config, print every problem and the descriptors it can hold open, and exit (0 valid, 2 invalid)")
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
 	}
 	if *path == "" {
 		fmt.Fprintln(stderr, "gateway: --config is required")
@@ -123,12 +261,19 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s: valid (%d encoders)\n%s\n", *path, len(cfg.Encoders), fds)
 		return 0
 	}
-	log, level, err := newLogger(cfg.Log.Level)
+	log, level, err := newLogger(cfg.Log.Level, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "gateway:", err)
 		return 2
 	}
 	defer func() { _ = log.Sync() }()
+	// go-redis logs through one logger per process (redis.SetLogger), by
+	// default plain-text lines on stderr; the process entry is where a
+	// global of the process is set, so its lines join this logger's JSON
+	// here rather than in a library package. (Tests that run several
+	// gateways in one process through run() each install theirs; the last
+	// one gets go-redis's lines.)
+	redis.SetLogger(redisclient.NewLogger(log))
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
@@ -182,12 +327,11 @@ func serveUntilSignal(srv *gateway.Server, sigs <-chan os.Signal, path string, c
 }
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("agent", agentHelp)
 	path := fs.String("config", "", "agent YAML config `file` (required)")
 	check := fs.Bool("check", false, "validate the config, print every problem, and exit (0 valid, 2 invalid)")
-	if err := fs.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
 	}
 	if *path == "" {
 		fmt.Fprintln(stderr, "agent: --config is required")
@@ -202,7 +346,7 @@ func runAgent(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s: valid\n", *path)
 		return 0
 	}
-	log, _, err := newLogger(cfg.Log.Level)
+	log, _, err := newLogger(cfg.Log.Level, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "agent:", err)
 		return 2
@@ -272,27 +416,36 @@ func printProblems(w io.Writer, path string, err error) {
 	}
 }
 
-func newLogger(level string) (*zap.Logger, zap.AtomicLevel, error) {
+// newLogger is the process's JSON logger, writing to w at level. Its
+// entries carry no stack trace below DPanic: what is logged at error (a
+// refused reload, an address already in use, a bad config) is an expected
+// condition that its message and fields explain, and a stack of the
+// process's own main loop would only bury it.
+func newLogger(level string, w io.Writer) (*zap.Logger, zap.AtomicLevel, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
 		return nil, zap.AtomicLevel{}, err
 	}
-	zc := zap.NewProductionConfig()
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.EncoderConfig.TimeKey = "ts"
-	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	log, err := zc.Build()
-	return log, zc.Level, err
+	atom := zap.NewAtomicLevelAt(lvl)
+	ec := zap.NewProductionEncoderConfig()
+	ec.TimeKey = "ts"
+	ec.EncodeTime = zapcore.ISO8601TimeEncoder
+	out := zapcore.Lock(zapcore.AddSync(w))
+	core := zapcore.NewCore(zapcore.NewJSONEncoder(ec), out, atom)
+	// zap.NewProduction's sampling: per second and message, the first 100
+	// entries, then every 100th.
+	core = zapcore.NewSamplerWithOptions(core, time.Second, 100, 100)
+	log := zap.New(core, zap.AddCaller(), zap.AddStacktrace(zapcore.DPanicLevel), zap.ErrorOutput(out))
+	return log, atom, nil
 }
 
-func runFakeEncoder(args []string, stderr io.Writer) int {
-	fs := flag.NewFlagSet("fake-encoder", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+func runFakeEncoder(args []string, stdout, stderr io.Writer) int {
+	fs := newFlagSet("fake-encoder", fakeEncoderHelp)
 	listen := fs.String("listen", "127.0.0.1:30000", "listen `address`")
 	var opts fakeencoder.Options
 	opts.BindFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
 	}
 	enc := fakeencoder.New(opts)
 	if err := enc.Start(*listen); err != nil {

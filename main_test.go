@@ -2,10 +2,14 @@ package main
 
 import (
 	"bytes"
+	"flag"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"testing"
+
+	"github.com/encgate/encgate/fakeencoder"
 )
 
 func runCmd(args ...string) (code int, stdout, stderr string) {
@@ -126,6 +130,11 @@ func TestCommandLineErrors(t *testing.T) {
 		{"unknown command", []string{"frobnicate"}, `unknown command "frobnicate"`},
 		{"gateway without --config", []string{"gateway", "--check"}, "--config is required"},
 		{"gateway with an unknown flag", []string{"gateway", "--nope"}, "-nope"},
+		{"agent with an unknown flag", []string{"agent", "--nope"}, "-nope"},
+		{"fake-encoder with an unknown flag", []string{"fake-encoder", "--nope"}, "-nope"},
+		{"demo with an unknown flag", []string{"demo", "--nope"}, "-nope"},
+		{"demo with an argument", []string{"demo", "now"}, `unexpected argument "now"`},
+		{"help for an unknown command", []string{"help", "frobnicate"}, `unknown command "frobnicate"`},
 		{"missing config file", []string{"gateway", "--config", filepath.Join(t.TempDir(), "absent.yaml"), "--check"}, "absent.yaml"},
 	}
 	for _, tc := range tests {
@@ -141,10 +150,127 @@ func TestCommandLineErrors(t *testing.T) {
 	}
 }
 
+// -h and --help print the command's description and every flag to stdout
+// and exit 0; they never run the command (demo's would run a whole fleet).
+func TestHelp(t *testing.T) {
+	tests := []struct {
+		args []string
+		want []string // in stdout
+	}{
+		{[]string{"help"}, []string{"usage:", "encgate gateway --config FILE"}},
+		{[]string{"-h"}, []string{"usage:"}},
+		{[]string{"--help"}, []string{"usage:"}},
+		{[]string{"gateway", "--help"}, []string{"usage: encgate gateway", "-config file", "-check"}},
+		{[]string{"gateway", "-h"}, []string{"usage: encgate gateway", "-config file", "-check"}},
+		{[]string{"agent", "--help"}, []string{"usage: encgate agent", "-config file", "-check"}},
+		{[]string{"fake-encoder", "--help"}, []string{"usage: encgate fake-encoder", "-listen address", "-register-url URL", "-failure-rate"}},
+		{[]string{"demo", "--help"}, []string{"usage: encgate demo", "takes no flags"}},
+		{[]string{"help", "gateway"}, []string{"usage: encgate gateway", "-config file"}},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			code, stdout, stderr := runCmd(tc.args...)
+			if code != 0 {
+				t.Fatalf("exit %d, want 0; stderr %q", code, stderr)
+			}
+			if stderr != "" {
+				t.Errorf("stderr %q, want nothing", stderr)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(stdout, w) {
+					t.Errorf("stdout lacks %q:\n%s", w, stdout)
+				}
+			}
+			if strings.Contains(stdout, "done in") {
+				t.Errorf("the command ran:\n%s", stdout)
+			}
+		})
+	}
+}
+
+// Every flag a command defines is described in its --help.
+func TestHelpDescribesEveryFlag(t *testing.T) {
+	for _, cmd := range []string{"gateway", "agent", "fake-encoder"} {
+		t.Run(cmd, func(t *testing.T) {
+			_, stdout, _ := runCmd(cmd, "--help")
+			var fs *flag.FlagSet
+			switch cmd {
+			case "gateway":
+				fs = newFlagSet(cmd, gatewayHelp)
+				fs.String("config", "", "")
+				fs.Bool("check", false, "")
+			case "agent":
+				fs = newFlagSet(cmd, agentHelp)
+				fs.String("config", "", "")
+				fs.Bool("check", false, "")
+			case "fake-encoder":
+				fs = newFlagSet(cmd, fakeEncoderHelp)
+				fs.String("listen", "", "")
+				var o fakeencoder.Options
+				o.BindFlags(fs)
+			}
+			n := 0
+			fs.VisitAll(func(f *flag.Flag) {
+				n++
+				if !strings.Contains(stdout, "  -"+f.Name+" ") && !strings.Contains(stdout, "  -"+f.Name+"\n") {
+					t.Errorf("--help does not describe -%s:\n%s", f.Name, stdout)
+				}
+			})
+			if n == 0 {
+				t.Fatal("no flags visited")
+			}
+		})
+	}
+}
+
 func TestVersion(t *testing.T) {
 	code, stdout, _ := runCmd("version")
-	if code != 0 || !strings.HasPrefix(stdout, "encgate ") {
+	if code != 0 || !strings.HasPrefix(stdout, "encgate ") || !strings.Contains(stdout, "\ngo: go1.") {
 		t.Fatalf("exit %d, stdout %q", code, stdout)
+	}
+}
+
+func TestVersionText(t *testing.T) {
+	vcs := &debug.BuildInfo{
+		GoVersion: "go1.26.1",
+		Main:      debug.Module{Path: "github.com/encgate/encgate", Version: "v0.0.0-20261205183523-f4246caf115d+dirty"},
+		Settings: []debug.BuildSetting{
+			{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "arm64"},
+			{Key: "vcs", Value: "git"},
+			{Key: "vcs.revision", Value: "f4246caf115d469b2b27b3a576b93f05172e8473"},
+			{Key: "vcs.time", Value: "2026-12-05T18:35:23Z"},
+			{Key: "vcs.modified", Value: "true"},
+		},
+	}
+	clean := &debug.BuildInfo{
+		GoVersion: "go1.26.1",
+		Main:      debug.Module{Path: "github.com/encgate/encgate", Version: "(devel)"},
+		Settings: []debug.BuildSetting{
+			{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"},
+			{Key: "vcs.revision", Value: "0123456789abcdef0123456789abcdef01234567"},
+			{Key: "vcs.modified", Value: "false"},
+		},
+	}
+	tests := []struct {
+		name, ldVersion string
+		bi              *debug.BuildInfo
+		want            string
+	}{
+		{"ldflags version wins", "v1.2.3", vcs,
+			"encgate v1.2.3\ncommit: f4246caf115d469b2b27b3a576b93f05172e8473 (dirty) 2026-12-05T18:35:23Z\ngo: go1.26.1 linux/arm64\n"},
+		{"module version without ldflags", "dev", vcs,
+			"encgate v0.0.0-20261205183523-f4246caf115d+dirty\ncommit: f4246caf115d469b2b27b3a576b93f05172e8473 (dirty) 2026-12-05T18:35:23Z\ngo: go1.26.1 linux/arm64\n"},
+		{"clean tree, no time, (devel)", "dev", clean,
+			"encgate dev\ncommit: 0123456789abcdef0123456789abcdef01234567\ngo: go1.26.1 linux/amd64\n"},
+		{"no VCS", "dev", &debug.BuildInfo{GoVersion: "go1.26.1", Settings: []debug.BuildSetting{{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"}}},
+			"encgate dev\ncommit: unknown (built without VCS information)\ngo: go1.26.1 linux/amd64\n"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := versionText(tc.ldVersion, tc.bi); got != tc.want {
+				t.Fatalf("got\n%s\nwant\n%s", got, tc.want)
+			}
+		})
 	}
 }
 

@@ -53,6 +53,7 @@ import (
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 const (
@@ -383,29 +384,27 @@ func kubeBuild(t *testing.T) string {
 
 // kubeFlags runs `encgate SUB -h` and returns the flags it defines, each
 // with whether it takes a value (flag's usage prints "-name type" for those,
-// "-name" for booleans).
+// "-name" for booleans). -h prints the usage to stdout and exits 0.
 func kubeFlags(t *testing.T, bin, sub string) map[string]bool {
 	t.Helper()
-	var stderr bytes.Buffer
+	var stdout bytes.Buffer
 	cmd := exec.Command(bin, sub, "-h")
-	cmd.Stderr = &stderr
-	err := cmd.Run()
-	var exit *exec.ExitError
-	if err != nil && !errors.As(err, &exit) {
+	cmd.Stdout = &stdout
+	if err := cmd.Run(); err != nil {
 		t.Fatalf("%s %s -h: %v", bin, sub, err)
 	}
-	if !strings.HasPrefix(stderr.String(), "Usage of "+sub+":") {
-		t.Fatalf("encgate %s -h printed no flag usage: %q", sub, stderr.String())
+	if !strings.HasPrefix(stdout.String(), "usage: encgate "+sub) {
+		t.Fatalf("encgate %s -h printed no flag usage: %q", sub, stdout.String())
 	}
 	flags := map[string]bool{}
 	line := regexp.MustCompile(`^  -([A-Za-z0-9_.-]+)(?: (\S+))?$`)
-	for l := range strings.SplitSeq(stderr.String(), "\n") {
+	for l := range strings.SplitSeq(stdout.String(), "\n") {
 		if m := line.FindStringSubmatch(l); m != nil {
 			flags[m[1]] = m[2] != ""
 		}
 	}
 	if len(flags) == 0 {
-		t.Fatalf("no flags parsed from encgate %s -h: %q", sub, stderr.String())
+		t.Fatalf("no flags parsed from encgate %s -h: %q", sub, stdout.String())
 	}
 	return flags
 }
@@ -2013,7 +2012,7 @@ func TestKubeProbesAnswerOnTheRealProcesses(t *testing.T) {
 func TestKubeKustomizeBuild(t *testing.T) {
 	kubectl, err := exec.LookPath("kubectl")
 	if err != nil {
-		t.Skip("kubectl is not installed")
+		t.Skip("kubectl is not installed") // optional: not a test dependency .ci/run installs, so not testtool.Need
 	}
 	kit := kubeLoad(t)
 	var stderr bytes.Buffer
@@ -2105,10 +2104,9 @@ func kubeLoopbackPorts(t *testing.T, ips []string) (int, int) {
 
 func newKubeRedisRun(t *testing.T, rs kubeRedisSet) *kubeRedisRun {
 	t.Helper()
-	for _, bin := range []string{"sh", "timeout", redistest.Binary, redistest.SentinelBinary, "redis-cli"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Skipf("%s is not installed", bin)
-		}
+	for _, need := range [][2]string{{"sh", "dash"}, {"timeout", "coreutils"}, {redistest.Binary, "redis-server"},
+		{redistest.SentinelBinary, "redis-sentinel"}, {"redis-cli", "redis-tools"}} {
+		testtool.Need(t, need[0], need[1])
 	}
 	r := &kubeRedisRun{t: t, rs: rs, names: rs.podNames(), running: map[*exec.Cmd]chan struct{}{}, clients: map[string]*goredis.Client{}}
 	for i := range r.names {

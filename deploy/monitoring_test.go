@@ -55,6 +55,7 @@ import (
 	"github.com/encgate/encgate/gpuagent/mooncake"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redistest"
+	"github.com/encgate/encgate/internal/testtool"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -545,10 +546,7 @@ func TestAlertRuleUnitTests(t *testing.T) {
 		}
 	}
 
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		t.Skip("promtool is not installed (apt-get install prometheus; .ci/run installs it)")
-	}
+	promtool := testtool.Need(t, "promtool", "prometheus")
 	out, err := exec.Command(promtool, "test", "rules", alertTests).CombinedOutput()
 	if err != nil {
 		t.Errorf("promtool test rules %s: %v\n%s", alertTests, err, out)
@@ -561,10 +559,7 @@ func TestAlertRuleUnitTests(t *testing.T) {
 // parses. It skips without promtool (.ci/run installs Debian's prometheus
 // package for it).
 func TestDashboardAndAlertsPassPromtool(t *testing.T) {
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		t.Skip("promtool is not installed (apt-get install prometheus; .ci/run installs it)")
-	}
+	promtool := testtool.Need(t, "promtool", "prometheus")
 	run := func(path string) {
 		t.Helper()
 		out, err := exec.Command(promtool, "check", "rules", path).CombinedOutput()

@@ -20,6 +20,7 @@ import (
 
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/urlhint"
 )
 
 // The bootstrap server's routes (sglang's EncoderBootstrapServer, served by
@@ -122,6 +123,10 @@ func (c RegistrarConfig) Validate(p *configfile.Problems, path string) {
 	seen := make(map[string]int, len(c.RegisterWith))
 	for i, b := range c.RegisterWith {
 		fp := selfFieldPath(path, "register_with") + "[" + strconv.Itoa(i) + "]"
+		if hint := urlhint.Problem(b); hint != "" {
+			p.Addf(fp, "%s", hint)
+			continue
+		}
 		if msg := selfCheckURL(b, false); msg != "" {
 			p.Addf(fp, "%s, got %q", msg, b)
 			continue
@@ -137,6 +142,8 @@ func (c RegistrarConfig) Validate(p *configfile.Problems, path string) {
 	switch {
 	case c.AdvertiseURL == "" && len(c.RegisterWith) > 0:
 		p.Addf(ap, "required when register_with is set: the URL the language server reaches this gateway at, e.g. http://encgate:8080")
+	case urlhint.Problem(c.AdvertiseURL) != "":
+		p.Addf(ap, "%s", urlhint.Problem(c.AdvertiseURL))
 	case c.AdvertiseURL != "":
 		if msg := selfCheckURL(c.AdvertiseURL, true); msg != "" {
 			p.Addf(ap, "%s, got %q", msg, c.AdvertiseURL)

@@ -687,7 +687,9 @@ func TestRegistrarValidate(t *testing.T) {
 			[]string{"advertise_url: must not have a query"}},
 		{"advertise with a fragment", "", func(c *RegistrarConfig) { c.AdvertiseURL = "http://encgate:8080/#top" },
 			[]string{"advertise_url: must not have a fragment"}},
-		{"advertise not http", "", func(c *RegistrarConfig) { c.AdvertiseURL = "encgate:8080" },
+		{"advertise without a scheme", "", func(c *RegistrarConfig) { c.AdvertiseURL = "encgate:8080" },
+			[]string{`advertise_url: "encgate:8080" has no scheme; did you mean "http://encgate:8080"?`}},
+		{"advertise not http", "", func(c *RegistrarConfig) { c.AdvertiseURL = "ftp://encgate:8080" },
 			[]string{"advertise_url: must be an http:// or https:// URL"}},
 		{"fanout 0", "", func(c *RegistrarConfig) { c.Fanout = 0 }, []string{"fanout: must be 1..1024, got 0"}},
 		{"fanout too big", "", func(c *RegistrarConfig) { c.Fanout = 1025 }, []string{"fanout: must be 1..1024, got 1025"}},
@@ -697,7 +699,7 @@ func TestRegistrarValidate(t *testing.T) {
 		{"nested path", "self", func(c *RegistrarConfig) {
 			c.RegisterWith = []string{"lang:8997"}
 			c.Fanout = 0
-		}, []string{"self.register_with[0]: must be an http", "self.advertise_url: required", "self.fanout: must be"}},
+		}, []string{`self.register_with[0]: "lang:8997" has no scheme; did you mean "http://lang:8997"?`, "self.advertise_url: required", "self.fanout: must be"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := DefaultRegistrar()

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/urlhint"
 )
 
 // SourceRegistered is the Member.Source of encoders that registered through
@@ -122,6 +123,9 @@ func badEncoderURL(raw, problem string) error {
 func ParseEncoderURL(raw string) (normalised, name string, err error) {
 	if len(raw) > maxEncoderURLLen {
 		return "", "", badEncoderURL(raw, "longer than "+strconv.Itoa(maxEncoderURLLen)+" bytes")
+	}
+	if meant, ok := urlhint.NoScheme(raw); ok {
+		return "", "", badEncoderURL(raw, fmt.Sprintf("has no scheme; did you mean %q?", meant))
 	}
 	u, perr := url.Parse(raw)
 	if perr != nil {

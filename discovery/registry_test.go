@@ -44,7 +44,9 @@ func TestParseEncoderURLAccepts(t *testing.T) {
 func TestParseEncoderURLRejects(t *testing.T) {
 	cases := []struct{ raw, msg string }{
 		{"ftp://x:1", `url "ftp://x:1": scheme must be http or https`},
-		{"enc:8000", `url "enc:8000": scheme must be http or https`},
+		{"enc:8000", `url "enc:8000": has no scheme; did you mean "http://enc:8000"?`},
+		{"10.0.0.5:30000", `url "10.0.0.5:30000": has no scheme; did you mean "http://10.0.0.5:30000"?`},
+		{"enc", `url "enc": scheme must be http or https`},
 		{"", `url "": scheme must be http or https`},
 		{"//h:1", `url "//h:1": scheme must be http or https`},
 		{"http:h:1", `url "http:h:1": must be scheme://host:port`},

@@ -17,17 +17,14 @@ import (
 	"time"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // prlimit is util-linux's prlimit(1), which starts a command under the
 // given limits (and changes a running process's); Debian always has it.
 func prlimit(t *testing.T) string {
 	t.Helper()
-	path, err := exec.LookPath("prlimit")
-	if err != nil {
-		t.Skip("needs prlimit(1) from util-linux to start a gateway under a small RLIMIT_NOFILE")
-	}
-	return path
+	return testtool.Need(t, "prlimit", "util-linux") // to start a gateway under a small RLIMIT_NOFILE
 }
 
 // limitedCmd is `encgate ARGS` run by the test binary under RLIMIT_NOFILE

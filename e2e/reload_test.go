@@ -335,7 +335,7 @@ func TestSIGHUPReload(t *testing.T) {
 			t.Errorf("the refusal's problems %q lack %q", problems, prefix)
 		}
 	}
-	if refused["level"] != "error" || refused["config"] != path {
+	if refused["level"] != "error" || refused["config"] != path || refused["stacktrace"] != nil {
 		t.Errorf("refusal log line: %v", refused)
 	}
 

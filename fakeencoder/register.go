@@ -11,6 +11,8 @@ import (
 	"net/url"
 	"sync"
 	"time"
+
+	"github.com/encgate/encgate/internal/urlhint"
 )
 
 // Self-registration with a language-only server's EncoderBootstrapServer,
@@ -232,6 +234,9 @@ func (e *Encoder) Unregister(ctx context.Context) error {
 // parseBootstrapURL checks a --register-url value: an absolute http or
 // https URL with a host and no query, as sglang appends the paths to it.
 func parseBootstrapURL(s string) (string, error) {
+	if hint := urlhint.Problem(s); hint != "" {
+		return "", fmt.Errorf("bad bootstrap URL: %s", hint)
+	}
 	u, err := url.Parse(s)
 	if err != nil {
 		return "", fmt.Errorf("bad bootstrap URL %q: %w", s, err)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -335,6 +336,9 @@ func TestBindFlagsRegistrationAndCache(t *testing.T) {
 		if _, err := parse("--register-url=" + bad); err == nil {
 			t.Fatalf("--register-url=%s accepted", bad)
 		}
+	}
+	if _, err := parse("--register-url=127.0.0.1:8997"); err == nil || !strings.Contains(err.Error(), `did you mean "http://127.0.0.1:8997"?`) {
+		t.Fatalf("--register-url without a scheme: %v, want a hint", err)
 	}
 }
 

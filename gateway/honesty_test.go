@@ -5,7 +5,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os/exec"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redistest"
+	"github.com/encgate/encgate/internal/testtool"
 	"go.uber.org/zap"
 )
 
@@ -202,9 +202,7 @@ func counterWith(t *testing.T, g *gw, name, label, value string) float64 {
 // first's missing answer as a 200: nothing told B that the /send was
 // delivered.
 func TestWaitOnACallThatEndsWithoutAnswerIsNotA200(t *testing.T) {
-	if _, err := exec.LookPath(redistest.Binary); err != nil {
-		t.Skipf("%s not installed: %v", redistest.Binary, err)
-	}
+	testtool.Need(t, redistest.Binary, "redis-server")
 	rd := redistest.Start(t)
 	enc := newHeldEncoder(t)
 	replica := func(deadline time.Duration, clk clock.Clock) *gw {

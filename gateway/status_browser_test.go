@@ -11,6 +11,7 @@ import (
 	"github.com/chromedp/chromedp"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // browserPath finds a Chromium the test can drive, or "".
@@ -30,7 +31,7 @@ func browserPath() string {
 func TestStatusPageInABrowser(t *testing.T) {
 	browser := browserPath()
 	if browser == "" {
-		t.Skip("no Chromium installed (Debian: apt-get install chromium; .ci/run installs it): the status page is not checked in a browser")
+		testtool.Missing(t, "chromium", "chromium", "the status page is not checked in a browser")
 	}
 	encs := startFakes(t, 3, func(i int, o *fakeencoder.Options) {
 		if i == 2 {

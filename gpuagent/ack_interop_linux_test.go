@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // pullPeer is the libzmq side of the interop test, run by Debian's python3
@@ -71,7 +73,7 @@ func pythonWithZMQ() (string, bool) {
 func TestAckInteropWithLibzmqPull(t *testing.T) {
 	py, ok := pythonWithZMQ()
 	if !ok {
-		t.Skip("no python3 with the zmq module (Debian: apt-get install python3-zmq; .ci/run installs it): the libzmq interop test needs a real libzmq PULL peer")
+		testtool.Missing(t, "python3 with the zmq module", "python3-zmq", "the libzmq interop test needs a real libzmq PULL peer")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

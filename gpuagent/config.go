@@ -21,6 +21,7 @@ import (
 
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/urlhint"
 )
 
 // Config is the agent's YAML file. DefaultConfig holds every default.
@@ -311,7 +312,9 @@ func (c Config) Validate() error {
 	}
 	c.Ack.validate(&p, "ack")
 	if u := c.Notify.HTTPURL; u != "" {
-		if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+		if hint := urlhint.Problem(u); hint != "" {
+			p.Addf("notify.http_url", "%s", hint)
+		} else if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
 			p.Addf("notify.http_url", "must be an http(s) URL or empty, got %q", u)
 		}
 	}

@@ -358,3 +358,11 @@ func TestValidateControl(t *testing.T) {
 		})
 	}
 }
+
+func TestNotifyURLWithoutSchemeIsHinted(t *testing.T) {
+	_, err := LoadConfig(writeConfig(t, "notify:\n  http_url: \"10.0.0.5:9000\"\n"))
+	want := `notify.http_url: "10.0.0.5:9000" has no scheme; did you mean "http://10.0.0.5:9000"?`
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("LoadConfig = %v, want %q", err, want)
+	}
+}

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // dialSocket connects to a's Unix socket as a stager would; the connection
@@ -365,7 +367,7 @@ func TestAnotherUsersFileCannotBeStaged(t *testing.T) {
 	// Debian's python3: another user cannot run one under root's home.
 	py := "/usr/bin/python3"
 	if _, err := os.Stat(py); err != nil {
-		t.Skipf("no %s: %v", py, err)
+		testtool.Missing(t, py, "python3", err.Error())
 	}
 	const nobody = 65534
 	a := startAgent(t, func(c *Config) { c.Control.SocketGroup = fmt.Sprint(nobody) }, nil, nil)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/encgate/encgate/internal/cuda/cudatest"
 	"github.com/encgate/encgate/internal/sglang"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // The tests of integrations/sglang/encgate_agent.py, the module an sglang
@@ -202,7 +203,7 @@ func python3(t *testing.T) string {
 			return p
 		}
 	}
-	t.Skip("no python3 >= 3.9 (on PATH or /usr/bin/python3): the tests of integrations/sglang/encgate_agent.py need one")
+	testtool.Missing(t, "python3 >= 3.9 (on PATH or /usr/bin/python3)", "python3", "the tests of integrations/sglang/encgate_agent.py need one")
 	return ""
 }
 
@@ -448,7 +449,7 @@ func TestPythonHelperReportsBusy(t *testing.T) {
 func TestASecondStagerCannotTakeThePart(t *testing.T) {
 	py, ok := pythonWithZMQ()
 	if !ok {
-		t.Skip("no python3 with the zmq module (Debian: apt-get install python3-zmq): this test's ack goes to a real libzmq PULL peer")
+		testtool.Missing(t, "python3 with the zmq module", "python3-zmq", "this test's ack goes to a real libzmq PULL peer")
 	}
 	python3(t) // and one new enough for the module
 	recv := startReceiver(t)

@@ -164,3 +164,27 @@ func TestValidateAgentTokenFile(t *testing.T) {
 		t.Errorf("unexpected problem:\n%v", err)
 	}
 }
+
+// An encoder or agent URL written as host:port gets a hint with the URL
+// probably meant; a wrong scheme keeps its own problem.
+func TestValidateEncodersHintsAMissingScheme(t *testing.T) {
+	var p configfile.Problems
+	ValidateEncoders(&p, "encoders", []EncoderConfig{
+		{Name: "a", URL: "10.0.0.5:30000"},
+		{Name: "b", URL: "http://enc-1:30000", Agent: "enc-1:7401"},
+		{Name: "c", URL: "ftp://enc-2:30000"},
+	})
+	err := p.Err()
+	if err == nil {
+		t.Fatal("no problem")
+	}
+	for _, w := range []string{
+		`encoders[0].url: "10.0.0.5:30000" has no scheme; did you mean "http://10.0.0.5:30000"?`,
+		`encoders[1].agent: "enc-1:7401" has no scheme; did you mean "http://enc-1:7401"?`,
+		`encoders[2].url: scheme must be http or https, got "ftp"`,
+	} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("%q missing from:\n%v", w, err)
+		}
+	}
+}

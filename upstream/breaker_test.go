@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"strings"
 	"sync"
@@ -591,34 +592,174 @@ func TestBreakerNilHooksAndClock(t *testing.T) {
 	}
 }
 
+// countingGate admits every ejection and counts what the breaker asks.
+type countingGate struct{ admits, releases atomic.Int64 }
+
+func (g *countingGate) Admit(*Breaker) bool { g.admits.Add(1); return true }
+func (g *countingGate) Release(*Breaker)    { g.releases.Add(1) }
+
+// Eight goroutines hammer one breaker (a quarter of the outcomes faults, a
+// share that trips it; the clock moving past ejections) while reading it. Whatever the interleaving, the
+// breaker must keep its invariants: its state changes form one chain of
+// legal edges starting at closed; each ejection is one trip, one change to
+// open and, from closed, one Admit of the gate, and every Admit is
+// Released once it closes or stops; the half-open trials never exceed
+// half_open_requests; and the counts it ends with add up.
 func TestBreakerConcurrent(t *testing.T) {
 	cfg := DefaultBreaker()
+	cfg.HalfOpenRequests = 3
+	cfg.FailureRatio, cfg.MinRequests = 0.25, 12
 	clk := clock.NewFake(testEpoch)
-	b := NewBreaker("enc-a", cfg, clk, BreakerHooks{OnChange: func(string, BreakerState, BreakerState) {}})
-	defer b.Stop()
+	gate := &countingGate{}
+	type change struct{ from, to BreakerState }
+	var (
+		mu      sync.Mutex
+		changes []change
+		trips   []BreakerTrip
+	)
+	b := NewBreaker("enc-a", cfg, clk, BreakerHooks{
+		OnChange: func(_ string, from, to BreakerState) {
+			mu.Lock()
+			changes = append(changes, change{from, to})
+			mu.Unlock()
+		},
+		OnTrip: func(_ string, trip BreakerTrip) {
+			mu.Lock()
+			trips = append(trips, trip)
+			mu.Unlock()
+		},
+		Gate: gate,
+	})
+	var admitted, reported atomic.Int64
 	var wg sync.WaitGroup
-	for g := 0; g < 8; g++ {
+	for g := range 8 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 1)) // seeded: a fault in four, no pattern
+			report := func(done func(Mark)) {
+				if rng.IntN(4) == 0 {
+					done(MarkFault)
+				} else {
+					done(MarkSuccess)
+				}
+				done(MarkFault) // a second call is ignored
+				reported.Add(1)
+			}
+			// Half the requests stay in flight for one more turn of this
+			// goroutine's loop: trials overlap, and some answers come
+			// after the state they were sent in.
+			var pending func(Mark)
+			defer func() {
+				if pending != nil {
+					report(pending)
+				}
+			}()
 			for i := 0; i < 2000; i++ {
-				if done, ok := b.Allow(); ok {
-					if i%3 == 0 {
-						done(MarkFault)
+				held := pending
+				pending = nil
+				done, ok := b.Allow()
+				// Looked at while the held answer is still out.
+				if s := b.Snapshot(); s.State == BreakerHalfOpen && s.Counts.Requests > uint32(cfg.HalfOpenRequests) {
+					t.Errorf("half-open with %d requests admitted, half_open_requests is %d", s.Counts.Requests, cfg.HalfOpenRequests)
+				}
+				if ok {
+					admitted.Add(1)
+					if rng.IntN(2) == 0 {
+						report(done)
 					} else {
-						done(MarkSuccess)
+						pending = done
 					}
 				}
-				if i%100 == 0 {
+				if held != nil {
+					report(held)
+				}
+				if i%10 == 0 {
 					clk.Advance(time.Minute)
 				}
 				_ = b.State()
 				_ = b.Counts()
-				_ = b.Snapshot()
 			}
 		}()
 	}
 	wg.Wait()
+	final := b.Snapshot()
+	b.Stop()
+
+	mu.Lock()
+	defer mu.Unlock()
+	if admitted.Load() == 0 || admitted.Load() != reported.Load() {
+		t.Fatalf("admitted %d, reported %d", admitted.Load(), reported.Load())
+	}
+	legal := map[change]bool{
+		{BreakerClosed, BreakerOpen}: true, {BreakerOpen, BreakerHalfOpen}: true,
+		{BreakerHalfOpen, BreakerClosed}: true, {BreakerHalfOpen, BreakerOpen}: true,
+	}
+	state, toOpen, fromClosed, closes := BreakerClosed, 0, 0, 0
+	for i, c := range changes {
+		if c.from != state || !legal[c] {
+			t.Fatalf("change %d: %v->%v after %v (changes %v)", i, c.from, c.to, state, changes)
+		}
+		state = c.to
+		switch c {
+		case change{BreakerClosed, BreakerOpen}:
+			toOpen++
+			fromClosed++
+		case change{BreakerHalfOpen, BreakerOpen}:
+			toOpen++
+		case change{BreakerHalfOpen, BreakerClosed}:
+			closes++
+		}
+	}
+	if state != final.State {
+		t.Errorf("the changes end at %v, the breaker is %v", state, final.State)
+	}
+	if toOpen == 0 {
+		t.Fatalf("the breaker never tripped: the test exercised nothing (%d admitted, %+v)", admitted.Load(), final)
+	}
+	if len(trips) != toOpen || int(final.Ejections) != toOpen || final.Skipped != 0 {
+		t.Errorf("%d trips, %d ejections, %d skipped; %d changes to open", len(trips), final.Ejections, final.Skipped, toOpen)
+	}
+	for i, tr := range trips {
+		if !tr.Ejected || tr.Trips < 1 || tr.Ejection != cfg.ejectionFor(tr.Trips) {
+			t.Errorf("trip %d: %+v", i, tr)
+		}
+	}
+	if int(gate.admits.Load()) != fromClosed {
+		t.Errorf("the gate admitted %d ejections; %d trips from closed", gate.admits.Load(), fromClosed)
+	}
+	// Each admitted ejection gives its place back when the breaker closes
+	// or, still ejected, stops.
+	if gate.admits.Load() != gate.releases.Load() {
+		t.Errorf("the gate admitted %d ejections and had %d released", gate.admits.Load(), gate.releases.Load())
+	}
+	if want := int64(closes); final.Ejected && gate.releases.Load() != want+1 || !final.Ejected && gate.releases.Load() != want {
+		t.Errorf("%d releases with %d closes (ejected at the end: %v)", gate.releases.Load(), closes, final.Ejected)
+	}
+	// Every request admitted since the last change has reported: the
+	// counts add up, and what they hold fits the state.
+	c := final.Counts
+	if c.Requests != c.TotalSuccesses+c.TotalFailures+c.TotalExclusions || c.TotalExclusions != 0 {
+		t.Errorf("final counts %+v do not add up", c)
+	}
+	switch final.State {
+	case BreakerClosed:
+		if int(c.ConsecutiveFailures) >= cfg.ConsecutiveFailures ||
+			final.RecentCounted != min(int(c.TotalSuccesses+c.TotalFailures), cfg.MinRequests) ||
+			final.RecentFaults > int(c.TotalFailures) ||
+			(final.RecentCounted == cfg.MinRequests && float64(final.RecentFaults) >= cfg.FailureRatio*float64(cfg.MinRequests)) {
+			t.Errorf("closed with counts %+v, ring %d of %d faults: it should have tripped, or the ring is off", c, final.RecentFaults, final.RecentCounted)
+		}
+	case BreakerHalfOpen:
+		if c.Requests > uint32(cfg.HalfOpenRequests) || c.TotalFailures != 0 || int(c.TotalSuccesses) >= cfg.HalfOpenRequests {
+			t.Errorf("half-open with counts %+v (half_open_requests %d)", c, cfg.HalfOpenRequests)
+		}
+	case BreakerOpen:
+		if c.Requests != 0 || !final.Ejected {
+			t.Errorf("open with counts %+v, ejected %v", c, final.Ejected)
+		}
+	}
+	t.Logf("%d admitted; %d changes: %d ejections (%d from closed), %d closes; ends %v", admitted.Load(), len(changes), toOpen, fromClosed, closes, final.State)
 }
 
 func TestBreakerStateString(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/urlhint"
 )
 
 // EncoderConfig names one encoder of the fleet.
@@ -232,6 +233,9 @@ func ValidateEncoders(p *configfile.Problems, path string, encs []EncoderConfig)
 func checkURL(raw string) string {
 	if raw == "" {
 		return "must not be empty"
+	}
+	if hint := urlhint.Problem(raw); hint != "" {
+		return hint
 	}
 	u, err := url.Parse(raw)
 	if err != nil {

@@ -666,7 +666,9 @@ func (d *dialer) dial(addr string) (net.Conn, error) {
 
 func (p *Pool) breakerChanged(e *Encoder, from, to BreakerState) {
 	p.m.breakerChanged(e, from, to)
-	p.log.Info("breaker state changed", zap.String("encoder", e.Name),
+	// Warn: a state change means an encoder failing or coming back from
+	// failing, which an operator filtering on warn wants to see.
+	p.log.Warn("breaker state changed", zap.String("encoder", e.Name),
 		zap.String("from", from.String()), zap.String("to", to.String()))
 }
 

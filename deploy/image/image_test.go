@@ -20,6 +20,8 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // testEpoch is the SOURCE_DATE_EPOCH the tests build with, so that the
@@ -311,7 +313,7 @@ func TestImageTarball(t *testing.T) {
 			}
 		}
 		if engine == "" {
-			t.Skip("no working docker or podman")
+			testtool.Missing(t, "a working docker or podman", "podman", "ENCGATE_IMAGE_LOAD_TEST=1 asks to load the tarball into one")
 		}
 		out, err := exec.Command(engine, "load", "-i", b.path).CombinedOutput()
 		if err != nil {

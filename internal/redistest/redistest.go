@@ -23,10 +23,15 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // Binary is the server the helper runs, looked up on PATH.
 const Binary = "redis-server"
+
+// debianPackage is the Debian package of each program the helper runs.
+var debianPackage = map[string]string{Binary: "redis-server", SentinelBinary: "redis-sentinel", CLIBinary: "redis-tools"}
 
 // logName is the file in a server's dir that takes its stdout and stderr
 // (its log: the server runs with logfile "").
@@ -112,13 +117,12 @@ type shape struct {
 }
 
 // newShape applies opts and makes the TLS material in dir; it skips t when
-// a binary in bins is not installed.
+// a binary in bins is not installed (fails it under ENCGATE_TEST_STRICT=1:
+// see testtool).
 func newShape(t testing.TB, opts []Option, bins ...string) *shape {
 	t.Helper()
 	for _, b := range bins {
-		if _, err := exec.LookPath(b); err != nil {
-			t.Skipf("%s is not installed (apt-get install redis-server; .ci/run installs it): %v", b, err)
-		}
+		testtool.Need(t, b, debianPackage[b])
 	}
 	sh := &shape{}
 	for _, o := range opts {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/encgate/encgate/internal/cuda"
 	"github.com/encgate/encgate/internal/cuda/cudatest"
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // These tests run gpucheck's whole flow, the one bench/gpu/run.sh runs on a
@@ -31,9 +32,7 @@ const binsEnv = "GPUCHECK_TEST_BINS"
 
 func buildBins(t *testing.T) string {
 	t.Helper()
-	if _, err := exec.LookPath("go"); err != nil {
-		t.Skip("the go command is not on PATH: cannot build encgate and cudaexport for the check")
-	}
+	testtool.Need(t, "go", "golang-go") // to build encgate and cudaexport for the check
 	dir := t.TempDir()
 	for name, pkg := range map[string]string{
 		"encgate":    "github.com/encgate/encgate",

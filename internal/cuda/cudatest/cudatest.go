@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/encgate/encgate/internal/testtool"
 )
 
 // childEnv marks a child started by InChild; libEnv passes built libraries
@@ -54,7 +56,7 @@ func FakeVariant(t testing.TB, defines ...string) string {
 	}
 	cc := compiler()
 	if cc == "" {
-		t.Skip("no C compiler ($CC, cc, gcc or clang) found on PATH: cannot build the fake CUDA driver (internal/cuda/testdata/fakecuda.c)")
+		testtool.Missing(t, "a C compiler ($CC, cc, gcc or clang on PATH)", "gcc libc6-dev", "cannot build the fake CUDA driver (internal/cuda/testdata/fakecuda.c)")
 	}
 	src, err := source()
 	if err != nil {

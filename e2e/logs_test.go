@@ -1,0 +1,88 @@
+package e2e
+
+import (
+	"bufio"
+	"encoding/json"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// jsonLogLines decodes every line of out as a JSON log entry; a line that
+// is not one (a plain-text line among zap's) fails the test.
+func jsonLogLines(t *testing.T, out string) []map[string]any {
+	t.Helper()
+	var entries []map[string]any
+	for l := range strings.SplitSeq(strings.TrimSpace(out), "\n") {
+		var e map[string]any
+		if err := json.Unmarshal([]byte(l), &e); err != nil {
+			t.Errorf("not a JSON log line: %q", l)
+			continue
+		}
+		entries = append(entries, e)
+	}
+	return entries
+}
+
+// A gateway process whose Redis is down writes only JSON lines to stderr:
+// go-redis's own lines (a pool's failed dial) come through the gateway's
+// logger, named "redis", instead of as plain "redis: ..." text.
+func TestGatewayProcessLogsGoRedisAsJSON(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a gateway process")
+	}
+	down, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	redisAddr := down.Addr().String()
+	if err := down.Close(); err != nil {
+		t.Fatal(err)
+	}
+	path := writeTemp(t, "gateway.yaml", `
+listen: "127.0.0.1:0"
+admin_listen: "127.0.0.1:0"
+encoders:
+  - name: enc-a
+    url: "http://127.0.0.1:30001"
+idempotency:
+  store: redis
+redis:
+  addr: "`+redisAddr+`"
+`)
+	cmd := exec.Command(encgateBin, "gateway", "--config", path)
+	cmd.SysProcAttr = dieWithTest
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// A gateway that never says it is listening is killed, so Scan ends.
+	stuck := time.AfterFunc(30*time.Second, func() { _ = cmd.Process.Kill() })
+	defer stuck.Stop()
+	var lines []string
+	listening := false
+	for sc := bufio.NewScanner(stderr); !listening && sc.Scan(); {
+		lines = append(lines, sc.Text())
+		listening = strings.Contains(sc.Text(), `"msg":"gateway listening"`)
+	}
+	_ = cmd.Process.Signal(os.Interrupt)
+	_ = cmd.Wait()
+	if !listening {
+		t.Fatalf("the gateway did not start:\n%s", strings.Join(lines, "\n"))
+	}
+	var dial bool
+	for _, e := range jsonLogLines(t, strings.Join(lines, "\n")) {
+		if msg, _ := e["msg"].(string); e["logger"] == "redis" && e["level"] == "warn" && strings.Contains(msg, "failed to dial") {
+			dial = true
+		}
+	}
+	if !dial {
+		t.Errorf("no go-redis dial failure logged as a JSON entry of logger \"redis\":\n%s", strings.Join(lines, "\n"))
+	}
+}
