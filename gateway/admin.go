@@ -8,7 +8,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/sglang"
@@ -205,9 +204,5 @@ func (s *Server) upstreamStates() []UpstreamState {
 // registered or pending, attempts, the last error. An empty list when
 // register_with is not set.
 func (s *Server) serveRegistrations(w http.ResponseWriter, _ *http.Request) {
-	out := []discovery.RegistrationStatus{}
-	if r := s.sources.registrar; r != nil {
-		out = append(out, r.Status()...)
-	}
-	writeJSON(w, out)
+	writeJSON(w, s.fleet.Registrations())
 }

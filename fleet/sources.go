@@ -1,4 +1,4 @@
-package gateway
+package fleet
 
 import (
 	"context"
@@ -41,7 +41,7 @@ type sources struct {
 // the registrar, and reads bootstrap.state_file into the memory store.
 // Nothing runs until start; the error is a bootstrap.token_file or a state
 // file that cannot be read.
-func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
+func (s *Fleet) newSources(cfg Config, resolver Resolver) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		if err := src.readBootstrapToken(cfg.Bootstrap); err != nil {
@@ -49,7 +49,7 @@ func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 		}
 		store := discovery.NewMemoryStore(s.clk)
 		if s.kv != nil {
-			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
+			store = discovery.NewRedisStore(s.kv, s.keyPrefix)
 		} else if cfg.Bootstrap.StateFile != "" {
 			st, err := discovery.OpenStateFile(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"), s.reg)
 			if err != nil {
@@ -59,7 +59,7 @@ func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 		}
 		log := s.log.Named("bootstrap")
 		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, log,
-			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
+			discovery.WithRoom(RoomWindow(cfg.Pool.Health)), discovery.WithMetrics(s.reg))
 		src.registry.SetSelfCheck(s.registrationSelfCheck)
 		access := discovery.BootstrapAccess{
 			Networks: cfg.Bootstrap.Networks(),
@@ -117,17 +117,17 @@ func (src *sources) bootstrapToken(b discovery.BootstrapConfig) (*string, error)
 	return &t, nil
 }
 
-// roomWindow is how long a registered encoder has to pass its first health
+// RoomWindow is how long a registered encoder has to pass its first health
 // checks before a full registry may give its place to a new registration,
 // and how long one that passed may go without passing again: up_after
 // probes one interval apart (the first at once), one interval for the
 // refresh that records the pass (refreshRegistrations), and one to spare.
-func roomWindow(h upstream.HealthConfig) time.Duration {
+func RoomWindow(h upstream.HealthConfig) time.Duration {
 	return time.Duration(h.UpAfter+2) * h.Interval.D()
 }
 
-// start listens on bootstrap.listen and starts every source.
-func (s *Server) startSources(cfg Config) error {
+// Start listens on bootstrap.listen and starts every source.
+func (s *Fleet) startSources(cfg Config) error {
 	src := s.sources
 	if src.boot != nil {
 		ln, err := net.Listen("tcp", cfg.Bootstrap.Listen)
@@ -168,7 +168,7 @@ func (s *Server) startSources(cfg Config) error {
 		})
 		// Registrations converge across replicas within one health interval,
 		// and a registered encoder's TTL is refreshed while it passes checks.
-		every := cfg.Health.Interval.D()
+		every := cfg.Pool.Health.Interval.D()
 		run("bootstrap registry", func() {
 			src.registry.Run(ctx, every, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceRegistered, ms) })
 		})
@@ -204,7 +204,7 @@ func (s *Server) startSources(cfg Config) error {
 // The refresh is also how the registry learns which of them pass (the
 // store records it, shared by every replica with Redis): a full registry
 // makes room by evicting one that has not passed for roomWindow.
-func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) {
+func (s *Fleet) refreshRegistrations(ctx context.Context, every time.Duration) {
 	for {
 		t := s.clk.NewTimer(every)
 		select {
@@ -228,9 +228,9 @@ func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) 
 	}
 }
 
-// unregisterSelf takes the gateway's own registrations back (SIGTERM,
+// Unregister takes the gateway's own registrations back (SIGTERM,
 // before draining), so the language servers stop sending it parts.
-func (s *Server) unregisterSelf(ctx context.Context) {
+func (s *Fleet) Unregister(ctx context.Context) {
 	r := s.sources.registrar
 	if r == nil || s.sources.regStop == nil {
 		return
@@ -246,9 +246,9 @@ func (s *Server) unregisterSelf(ctx context.Context) {
 	s.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", s.conf().RegisterWith))
 }
 
-// stopSources stops every source and the bootstrap listener, then writes
+// Stop stops every source and the bootstrap listener, then writes
 // bootstrap.state_file a last time, after the registry's last change.
-func (s *Server) stopSources(ctx context.Context) error {
+func (s *Fleet) Stop(ctx context.Context) error {
 	src := s.sources
 	if src.cancel != nil {
 		src.cancel()
@@ -270,7 +270,7 @@ func (s *Server) stopSources(ctx context.Context) error {
 }
 
 // BootstrapAddr returns the bootstrap listener's address ("" when off).
-func (s *Server) BootstrapAddr() string {
+func (s *Fleet) BootstrapAddr() string {
 	if s.sources.bootln == nil {
 		return ""
 	}

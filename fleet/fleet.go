@@ -1,4 +1,4 @@
-package gateway
+package fleet
 
 import (
 	"context"
@@ -149,7 +149,7 @@ func (f *fleet) count(list []upstream.EncoderConfig) {
 // registration, a DNS answer, a drain. commit, when set, runs on success
 // before the fleet's lock is released: a reload stores its config there, so
 // a discovery change applied next uses that config and not the one before.
-func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err error) {
+func (s *Fleet) applyFleet(next *Config, commit func()) (ch Change, err error) {
 	f := s.fleet
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -160,14 +160,14 @@ func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err er
 	prevActive, prevDraining := maps.Clone(f.active), maps.Clone(f.draining)
 	static, registered, dns, self := s.withoutSelf(c)
 	list, left := f.merge(static, registered, dns, self)
-	set := poolSettings(*c)
+	set := c.Pool
 	set.Encoders = list
 	added, removed, err := s.pool.Reload(set)
 	if err != nil {
 		f.active, f.draining = prevActive, prevDraining // nothing changed
-		return fleetChange{}, err
+		return Change{}, err
 	}
-	ch = fleetChange{added: added, removed: removed, draining: left}
+	ch = Change{Added: added, Removed: removed, Draining: left}
 	f.count(list)
 	if len(f.draining) > 0 {
 		select {
@@ -181,15 +181,16 @@ func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err er
 	return ch, nil
 }
 
-// fleetChange is what an apply changed: encoders that started (added),
-// stopped (removed: dropped after a drain, or a name moved to another URL)
-// and started to drain.
-type fleetChange struct{ added, removed, draining []string }
+// Change is what an apply changed: encoders that started (Added),
+// stopped (Removed: dropped after a drain, or a name moved to another URL)
+// and started to drain (Draining).
+type Change struct{ Added, Removed, Draining []string }
 
-func (c fleetChange) empty() bool { return len(c.added)+len(c.removed)+len(c.draining) == 0 }
+// Empty reports whether the apply changed nothing.
+func (c Change) Empty() bool { return len(c.Added)+len(c.Removed)+len(c.Draining) == 0 }
 
 // setDiscovered records a source's members and applies the fleet.
-func (s *Server) setDiscovered(source string, members []discovery.Member) {
+func (s *Fleet) setDiscovered(source string, members []discovery.Member) {
 	s.fleet.mu.Lock()
 	switch source {
 	case upstream.SourceRegistered:
@@ -203,16 +204,16 @@ func (s *Server) setDiscovered(source string, members []discovery.Member) {
 		s.log.Error("fleet change refused", zap.String("source", source), zap.Error(err))
 		return
 	}
-	if !ch.empty() {
-		s.log.Info("fleet changed", zap.String("source", source), zap.Strings("encoders_added", ch.added),
-			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed),
+	if !ch.Empty() {
+		s.log.Info("fleet changed", zap.String("source", source), zap.Strings("encoders_added", ch.Added),
+			zap.Strings("encoders_draining", ch.Draining), zap.Strings("encoders_removed", ch.Removed),
 			zap.Int("members", len(members)))
 	}
 }
 
-// checkDrained drops the draining encoders that no longer hold anything,
+// CheckDrained drops the draining encoders that no longer hold anything,
 // and reports whether some still drain.
-func (s *Server) checkDrained() bool {
+func (s *Fleet) CheckDrained() bool {
 	done := s.pool.Drained()
 	if len(done) == 0 {
 		return s.stillDraining()
@@ -230,7 +231,7 @@ func (s *Server) checkDrained() bool {
 	return s.stillDraining()
 }
 
-func (s *Server) stillDraining() bool {
+func (s *Fleet) stillDraining() bool {
 	s.fleet.mu.Lock()
 	defer s.fleet.mu.Unlock()
 	return len(s.fleet.draining) > 0
@@ -240,9 +241,9 @@ func (s *Server) stillDraining() bool {
 // check walks the pin table only while some encoder drains.
 const drainCheckEvery = time.Second
 
-// runDrainChecks calls checkDrained every drainCheckEvery while some
+// runDrainChecks calls CheckDrained every drainCheckEvery while some
 // encoder drains, until ctx ends; with none draining it waits for one.
-func (s *Server) runDrainChecks(ctx context.Context) {
+func (s *Fleet) runDrainChecks(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -256,7 +257,7 @@ func (s *Server) runDrainChecks(ctx context.Context) {
 				t.Stop()
 				return
 			case <-t.C():
-				draining = s.checkDrained()
+				draining = s.CheckDrained()
 			}
 		}
 	}
@@ -273,7 +274,7 @@ const maxParallelLookups = 16
 // self_guard.recheck_interval stands). A name that does not resolve
 // refuses nothing. Each refusal is logged and counted once, when it
 // starts. f.mu is held.
-func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) {
+func (s *Fleet) withoutSelf(c *Config) (static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) {
 	f, g := s.fleet, s.guard
 	ctx := context.Background()
 	how := selfCheck{timeout: c.SelfGuard.ResolveTimeout.D(), fresh: c.SelfGuard.RecheckInterval.D()}
@@ -364,8 +365,8 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 // listen of :0 got are known only now) and applies the fleet again, so a
 // static encoder that turns out to be the gateway leaves before any
 // traffic.
-func (s *Server) bindSelf(boot net.Listener) {
-	ls := map[string]net.Addr{"listen": s.ln.Addr(), "admin_listen": s.adln.Addr()}
+func (s *Fleet) bindSelf(boot net.Listener) {
+	ls := map[string]net.Addr{"listen": s.ln, "admin_listen": s.adln}
 	if boot != nil {
 		ls["bootstrap.listen"] = boot.Addr()
 	}
@@ -373,10 +374,10 @@ func (s *Server) bindSelf(boot net.Listener) {
 	s.reapply("self check")
 }
 
-// recheckSelf looks up every encoder host name again and applies the
+// RecheckSelf looks up every encoder host name again and applies the
 // fleet, so a name that now resolves to the gateway (or resolves at all)
 // is checked; it reports whether some name is still kept.
-func (s *Server) recheckSelf() bool {
+func (s *Fleet) RecheckSelf() bool {
 	if s.guard.expireNames() == 0 {
 		return false
 	}
@@ -385,22 +386,22 @@ func (s *Server) recheckSelf() bool {
 }
 
 // reapply applies the fleet in force again and logs what changed.
-func (s *Server) reapply(why string) {
+func (s *Fleet) reapply(why string) {
 	ch, err := s.applyFleet(nil, nil)
 	if err != nil {
 		s.log.Error("fleet change refused", zap.String("cause", why), zap.Error(err))
 		return
 	}
-	if !ch.empty() {
-		s.log.Info("fleet changed", zap.String("cause", why), zap.Strings("encoders_added", ch.added),
-			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed))
+	if !ch.Empty() {
+		s.log.Info("fleet changed", zap.String("cause", why), zap.Strings("encoders_added", ch.Added),
+			zap.Strings("encoders_draining", ch.Draining), zap.Strings("encoders_removed", ch.Removed))
 	}
 }
 
-// runSelfRechecks calls recheckSelf every self_guard.recheck_interval
+// runSelfRechecks calls RecheckSelf every self_guard.recheck_interval
 // while the fleet has encoders named by a host name on one of the
 // gateway's ports, until ctx ends; with none it waits for one (no timer).
-func (s *Server) runSelfRechecks(ctx context.Context) {
+func (s *Fleet) runSelfRechecks(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -415,7 +416,7 @@ func (s *Server) runSelfRechecks(ctx context.Context) {
 				return
 			case <-t.C():
 			}
-			named = s.recheckSelf()
+			named = s.RecheckSelf()
 		}
 	}
 }
@@ -425,7 +426,7 @@ func (s *Server) runSelfRechecks(ctx context.Context) {
 // anyone who reaches the bootstrap API can send them) and counted. A name
 // that does not resolve refuses nothing: it joins, and the fleet's checks
 // look it up again.
-func (s *Server) registrationSelfCheck(ctx context.Context, u string) string {
+func (s *Fleet) registrationSelfCheck(ctx context.Context, u string) string {
 	why, _ := s.guard.check(ctx, u, selfCheck{timeout: s.conf().SelfGuard.ResolveTimeout.D()})
 	if why != "" {
 		s.fleet.selfRefused.WithLabelValues(upstream.SourceRegistered).Inc()
