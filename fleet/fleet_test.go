@@ -13,7 +13,7 @@ import (
 // wins, then a registration, then DNS. One that leaves every source drains,
 // and one that comes back is active again.
 func TestFleetMergeDedupesAndDrains(t *testing.T) {
-	f := newFleet(nil)
+	f := newMembers(nil)
 	static := []upstream.EncoderConfig{{Name: "enc-a", URL: "http://10.0.0.1:30000", Agent: "http://10.0.0.1:7401"}}
 	f.registered = []discovery.Member{
 		{Name: "10.0.0.1:30000", URL: "http://10.0.0.1:30000", Source: "registered"}, // enc-a's URL

@@ -15,7 +15,9 @@ import (
 )
 
 // Fleet is the gateway's encoders from every source, fed to its pool.
-// Build it with New, then Start; stop it with Stop.
+// Build it with New, then Start; Apply puts a reloaded config in force;
+// Unregister (on SIGTERM) takes the gateway's own registrations back, and
+// Stop ends every source.
 type Fleet struct {
 	snap      atomic.Pointer[Config] // the config in force
 	log       *zap.Logger
@@ -27,7 +29,7 @@ type Fleet struct {
 	keyPrefix string                // the registry's keys in Redis start with it
 	ln, adln  net.Addr              // the gateway's listeners, as bound (Start)
 
-	fleet   *fleet     // the encoders of every source (fleet.go)
+	members *members   // the encoders of every source (fleet.go)
 	guard   *selfGuard // the gateway's own addresses, kept out of the fleet (selfguard.go)
 	sources *sources   // bootstrap, DNS, self-registration, drain checks (sources.go)
 }
@@ -75,29 +77,29 @@ func New(cfg Config, deps Deps) (*Fleet, error) {
 	if resolver == nil {
 		resolver = net.DefaultResolver
 	}
-	s := &Fleet{log: deps.Log, quiet: listener.Sampled(deps.Log, clk), clk: clk, pool: deps.Pool, reg: deps.Registry,
+	f := &Fleet{log: deps.Log, quiet: listener.Sampled(deps.Log, clk), clk: clk, pool: deps.Pool, reg: deps.Registry,
 		kv: deps.Redis, keyPrefix: deps.RedisKeyPrefix}
-	s.snap.Store(&cfg)
-	s.guard = newSelfGuard(cfg, resolver, deps.InterfaceAddrs, clk)
-	s.fleet = newFleet(deps.Registry)
-	if _, err := s.applyFleet(&cfg, nil); err != nil {
+	f.snap.Store(&cfg)
+	f.guard = newSelfGuard(cfg, resolver, deps.InterfaceAddrs, clk)
+	f.members = newMembers(deps.Registry)
+	if _, err := f.apply(&cfg, nil); err != nil {
 		return nil, err
 	}
 	var err error
-	if s.sources, err = s.newSources(cfg, resolver); err != nil {
+	if f.sources, err = f.newSources(cfg, resolver); err != nil {
 		return nil, err
 	}
-	return s, nil
+	return f, nil
 }
 
 // conf is the config in force.
-func (s *Fleet) conf() *Config { return s.snap.Load() }
+func (f *Fleet) conf() *Config { return f.snap.Load() }
 
 // Start listens on bootstrap.listen and starts every source. listen and
 // adminListen are the gateway's other listeners, as bound.
-func (s *Fleet) Start(listen, adminListen net.Addr) error {
-	s.ln, s.adln = listen, adminListen
-	return s.startSources(*s.conf())
+func (f *Fleet) Start(listen, adminListen net.Addr) error {
+	f.ln, f.adln = listen, adminListen
+	return f.start(*f.conf())
 }
 
 // Apply puts next in force: its static encoders and settings, with the
@@ -105,15 +107,15 @@ func (s *Fleet) Start(listen, adminListen net.Addr) error {
 // (a rotated token applies with the rest). commit, when set, runs on
 // success before any other change of the fleet can apply. An error
 // changes nothing.
-func (s *Fleet) Apply(next Config, commit func()) (Change, error) {
-	bootToken, err := s.sources.bootstrapToken(next.Bootstrap)
+func (f *Fleet) Apply(next Config, commit func()) (Change, error) {
+	bootToken, err := f.sources.bootstrapToken(next.Bootstrap)
 	if err != nil {
 		return Change{}, err
 	}
-	return s.applyFleet(&next, func() {
-		s.snap.Store(&next)
+	return f.apply(&next, func() {
+		f.snap.Store(&next)
 		if bootToken != nil {
-			s.sources.bootToken.Store(bootToken)
+			f.sources.bootToken.Store(bootToken)
 		}
 		if commit != nil {
 			commit()
@@ -123,9 +125,9 @@ func (s *Fleet) Apply(next Config, commit func()) (Change, error) {
 
 // Registrations is where the gateway's own registrations with sglang
 // bootstrap servers stand (register_with); empty without it.
-func (s *Fleet) Registrations() []discovery.RegistrationStatus {
+func (f *Fleet) Registrations() []discovery.RegistrationStatus {
 	out := []discovery.RegistrationStatus{}
-	if r := s.sources.registrar; r != nil {
+	if r := f.sources.registrar; r != nil {
 		out = append(out, r.Status()...)
 	}
 	return out
