@@ -279,9 +279,11 @@ func LoadConfig(path string) (Config, error) {
 
 // fleetConfig is the fleet's part of c.
 func (c Config) fleetConfig() fleet.Config {
+	pool := poolSettings(c)
+	pool.Encoders = nil // the fleet's merged list, on every apply
 	return fleet.Config{Listen: c.Listen, AdminListen: c.AdminListen, Encoders: c.Encoders, Bootstrap: c.Bootstrap,
 		Discovery: c.Discovery, RegisterWith: c.RegisterWith, AdvertiseURL: c.AdvertiseURL, Fanout: c.Fanout,
-		SelfGuard: c.SelfGuard, Pool: poolSettings(c),
+		SelfGuard: c.SelfGuard, Pool: pool,
 		Limits: fleet.Limits{ReadHeaderTimeout: c.Limits.ReadHeaderTimeout, WriteTimeout: c.Limits.WriteTimeout, IdleTimeout: c.Limits.IdleTimeout}}
 }
 
