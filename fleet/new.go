@@ -46,6 +46,9 @@ type Pool interface {
 
 // Deps are what a Fleet takes from its caller.
 type Deps struct {
+	// Log takes the fleet's lines; the bootstrap API's, the registrar's
+	// and DNS discovery's go to its children bootstrap, registrar and
+	// discovery.
 	Log      *zap.Logger
 	Registry prometheus.Registerer
 	Clock    clock.Clock // nil means the wall clock

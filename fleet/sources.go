@@ -19,7 +19,7 @@ import (
 )
 
 // sources runs what makes the fleet dynamic, each on a goroutine of its own
-// until stop: sglang's bootstrap API and its registry, DNS discovery, the
+// until Stop: sglang's bootstrap API and its registry, DNS discovery, the
 // gateway's own registration with sglang bootstrap servers, and the drain
 // checks.
 type sources struct {
@@ -203,7 +203,7 @@ func (f *Fleet) start(cfg Config) error {
 // without unregistering leaves once bootstrap.ttl passes without a refresh.
 // The refresh is also how the registry learns which of them pass (the
 // store records it, shared by every replica with Redis): a full registry
-// makes room by evicting one that has not passed for roomWindow.
+// makes room by evicting one that has not passed for RoomWindow.
 func (f *Fleet) refreshRegistrations(ctx context.Context, every time.Duration) {
 	for {
 		t := f.clk.NewTimer(every)
