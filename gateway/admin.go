@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/bearer"
@@ -155,9 +154,5 @@ func (s *Server) upstreamStates() []UpstreamState {
 // registered or pending, attempts, the last error. An empty list when
 // register_with is not set.
 func (s *Server) serveRegistrations(w http.ResponseWriter, _ *http.Request) {
-	out := []discovery.RegistrationStatus{}
-	if r := s.sources.registrar; r != nil {
-		out = append(out, r.Status()...)
-	}
-	writeJSON(w, out)
+	writeJSON(w, s.fleet.Registrations())
 }

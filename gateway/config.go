@@ -9,9 +9,9 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"time"
 
 	"github.com/encgate/encgate/discovery"
+	"github.com/encgate/encgate/fleet"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/bearer"
 	"github.com/encgate/encgate/internal/configfile"
@@ -41,7 +41,7 @@ type Config struct {
 	// token_file's token again (the path and the rest need a restart).
 	Bootstrap discovery.BootstrapConfig `yaml:"bootstrap" reload:"restart"`
 	// Discovery finds encoders in DNS (a Kubernetes headless Service).
-	Discovery DiscoveryConfig `yaml:"discovery" reload:"restart"`
+	Discovery fleet.DiscoveryConfig `yaml:"discovery" reload:"restart"`
 	// RegisterWith lists sglang bootstrap servers (the language server's
 	// --encoder-bootstrap-port) the gateway registers itself with, as
 	// AdvertiseURL/p/0 … /p/<Fanout-1>, so that the language server
@@ -52,8 +52,8 @@ type Config struct {
 	// Fanout is how many URLs the gateway registers (default 1, at most 1024).
 	Fanout int `yaml:"fanout" reload:"restart"`
 	// SelfGuard keeps the gateway out of its own fleet and ends requests
-	// that loop back to it (selfguard.go, loop.go).
-	SelfGuard SelfGuardConfig `yaml:"self_guard" reload:"live"`
+	// that loop back to it (fleet/selfguard.go, loop.go).
+	SelfGuard fleet.SelfGuardConfig `yaml:"self_guard" reload:"live"`
 	// Affinity controls req_id pinning.
 	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`
 	// Upstream controls connections to encoders.
@@ -79,74 +79,6 @@ type Config struct {
 	Admin AdminConfig `yaml:"admin"`
 	// Log controls the zap logger.
 	Log configfile.Log `yaml:"log" reload:"live"`
-}
-
-// DiscoveryConfig is the gateway's discovery section.
-type DiscoveryConfig struct {
-	// DNS names whose A/AAAA records are encoders, each at its port.
-	DNS []discovery.DNSConfig `yaml:"dns"`
-}
-
-// registrar is the self-registration part of c.
-func (c Config) registrar() discovery.RegistrarConfig {
-	r := discovery.DefaultRegistrar()
-	r.RegisterWith, r.AdvertiseURL, r.Fanout = c.RegisterWith, c.AdvertiseURL, c.Fanout
-	return r
-}
-
-// dynamic reports whether encoders can join beyond the static list.
-func (c Config) dynamic() bool { return c.Bootstrap.Listen != "" || len(c.Discovery.DNS) > 0 }
-
-// SelfGuardConfig is the self_guard section: how the gateway tells that an
-// encoder is itself, and how many proxies a forwarded request may have
-// passed. Every key applies on a reload.
-type SelfGuardConfig struct {
-	// ResolveTimeout bounds one lookup of an encoder's host name when the
-	// gateway checks whether the name leads to one of its own listeners
-	// (default 2s; 10ms to 30s). Only names whose port is one of the
-	// gateway's own are looked up. A lookup that fails or runs out refuses
-	// nothing: the encoder stays, and is checked again every
-	// RecheckInterval.
-	ResolveTimeout configfile.Duration `yaml:"resolve_timeout"`
-	// RecheckInterval is how often encoders named by host (not by address)
-	// are looked up again, so that a name which starts to resolve to the
-	// gateway, or which failed to resolve, is checked again (default 30s;
-	// at least 1s). Nothing runs while no such encoder is in the fleet.
-	RecheckInterval configfile.Duration `yaml:"recheck_interval"`
-	// MaxHops refuses, with 508 Loop Detected, a request whose Via header
-	// lists more than this many proxies (default 16; 1 to 255): a loop
-	// through gateways that do not see each other's marks ends there too.
-	MaxHops int `yaml:"max_hops"`
-}
-
-// Bounds of the self_guard section.
-const (
-	minResolveTimeout  = 10 * time.Millisecond
-	maxResolveTimeout  = 30 * time.Second
-	minRecheckInterval = time.Second
-	maxHopsBound       = 255
-)
-
-// DefaultSelfGuard returns the self_guard defaults.
-func DefaultSelfGuard() SelfGuardConfig {
-	return SelfGuardConfig{
-		ResolveTimeout:  configfile.Duration(2 * time.Second),
-		RecheckInterval: configfile.Duration(30 * time.Second),
-		MaxHops:         16,
-	}
-}
-
-// Validate checks the section; path is its field path.
-func (c SelfGuardConfig) Validate(p *configfile.Problems, path string) {
-	if d := c.ResolveTimeout.D(); d < minResolveTimeout || d > maxResolveTimeout {
-		p.Addf(path+".resolve_timeout", "must be between %s and %s, got %s", minResolveTimeout, maxResolveTimeout, c.ResolveTimeout)
-	}
-	if c.RecheckInterval.D() < minRecheckInterval {
-		p.Addf(path+".recheck_interval", "must be >= %s, got %s", minRecheckInterval, c.RecheckInterval)
-	}
-	if c.MaxHops < 1 || c.MaxHops > maxHopsBound {
-		p.Addf(path+".max_hops", "must be between 1 and %d, got %d", maxHopsBound, c.MaxHops)
-	}
 }
 
 // ShutdownConfig is the gateway's shutdown section: the grace every role
@@ -305,10 +237,10 @@ func DefaultConfig() Config {
 		Bootstrap:   discovery.DefaultBootstrap(),
 		// Empty, not nil: what `dns: []` and `register_with: []` decode to,
 		// so the example file equals the defaults.
-		Discovery:    DiscoveryConfig{DNS: []discovery.DNSConfig{}},
+		Discovery:    fleet.DiscoveryConfig{DNS: []discovery.DNSConfig{}},
 		RegisterWith: []string{},
 		Fanout:       1,
-		SelfGuard:    DefaultSelfGuard(),
+		SelfGuard:    fleet.DefaultSelfGuard(),
 		Limits: LimitsConfig{
 			MaxBodyBytes:          8 << 20,
 			MaxHeaderBytes:        64 << 10,
@@ -341,27 +273,23 @@ func LoadConfig(path string) (Config, error) {
 	if err != nil && !errors.As(err, &partial) {
 		return cfg, err
 	}
-	cfg.Discovery.fillDefaults()
+	cfg.Discovery.FillDefaults()
 	return cfg, errors.Join(err, cfg.Validate())
+}
+
+// fleetConfig is the fleet's part of c.
+func (c Config) fleetConfig() fleet.Config {
+	pool := poolSettings(c)
+	pool.Encoders = nil // the fleet's merged list, on every apply
+	return fleet.Config{Listen: c.Listen, AdminListen: c.AdminListen, Encoders: c.Encoders, Bootstrap: c.Bootstrap,
+		Discovery: c.Discovery, RegisterWith: c.RegisterWith, AdvertiseURL: c.AdvertiseURL, Fanout: c.Fanout,
+		SelfGuard: c.SelfGuard, Pool: pool,
+		Limits: fleet.Limits{ReadHeaderTimeout: c.Limits.ReadHeaderTimeout, WriteTimeout: c.Limits.WriteTimeout, IdleTimeout: c.Limits.IdleTimeout}}
 }
 
 // usesRedis reports whether the replicas share state through Redis
 // (idempotency.store: redis), so the redis: section is read.
 func (c Config) usesRedis() bool { return c.Idempotency.Store == "redis" }
-
-// fillDefaults gives every discovery.dns entry the defaults of the keys it
-// leaves out (a list's entries start empty when the file is decoded).
-func (d *DiscoveryConfig) fillDefaults() {
-	def := discovery.DefaultDNS()
-	for i := range d.DNS {
-		if d.DNS[i].Scheme == "" {
-			d.DNS[i].Scheme = def.Scheme
-		}
-		if d.DNS[i].Interval == 0 {
-			d.DNS[i].Interval = def.Interval
-		}
-	}
-}
 
 // Validate reports every problem, each with its field path.
 func (c Config) Validate() error {
@@ -371,20 +299,7 @@ func (c Config) Validate() error {
 	if c.Listen != "" && c.Listen == c.AdminListen && !strings.HasSuffix(c.Listen, ":0") {
 		p.Addf("admin_listen", "must differ from listen (%s)", c.Listen)
 	}
-	if len(c.Encoders) == 0 && !c.dynamic() {
-		p.Addf("encoders", "at least one encoder is required (or bootstrap.listen, or discovery.dns, to find them)")
-	}
-	upstream.ValidateEncoders(&p, "encoders", c.Encoders)
-	c.Bootstrap.Validate(&p, "bootstrap")
-	if c.Bootstrap.Listen != "" && (c.Bootstrap.Listen == c.Listen || c.Bootstrap.Listen == c.AdminListen) && !strings.HasSuffix(c.Bootstrap.Listen, ":0") {
-		p.Addf("bootstrap.listen", "must differ from listen and admin_listen (%s)", c.Bootstrap.Listen)
-	}
-	for i, d := range c.Discovery.DNS {
-		d.Validate(&p, fmt.Sprintf("discovery.dns[%d]", i))
-	}
-	c.registrar().Validate(&p, "")
-	c.SelfGuard.Validate(&p, "self_guard")
-	checkSelfEncoders(&p, c)
+	c.fleetConfig().Validate(&p)
 	c.Affinity.Validate(&p, "affinity")
 	c.Upstream.Validate(&p, "upstream")
 	c.Retry.Validate(&p, "retry")

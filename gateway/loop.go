@@ -15,7 +15,7 @@ import (
 	"github.com/encgate/encgate/internal/sglang"
 )
 
-// The loop guard ends what the address checks (selfguard.go) cannot see: an
+// The loop guard ends what the address checks (fleet/selfguard.go) cannot see: an
 // encoder URL that reaches the gateway through NAT or a Service in front of
 // it, or a second gateway whose fleet leads back to this one.
 //

@@ -30,25 +30,15 @@ func (s *Server) Reload(next Config) error {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}
-	// So is bootstrap.token_file, at the path the listener started with
-	// (bootstrap is restart-only): it takes effect with the rest below.
-	bootToken, err := s.sources.bootstrapToken(merged.Bootstrap)
-	if err != nil {
-		s.metrics.reloads.WithLabelValues("refused").Inc()
-		return err
-	}
 	// Encoders and upstream apply at once, so a reload can ask for more
 	// descriptors than the process may open: refuse it as New would.
 	if _, err := Descriptors(merged, s.fds, true); err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}
-	ch, err := s.applyFleet(&merged, func() {
-		s.snap.Store(&merged)
-		if bootToken != nil {
-			s.sources.bootToken.Store(bootToken)
-		}
-	})
+	// The fleet reads bootstrap.token_file again, at the path the listener
+	// started with (bootstrap is restart-only): it takes effect with the rest.
+	ch, err := s.fleet.Apply(merged.fleetConfig(), func() { s.snap.Store(&merged) })
 	if err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
@@ -59,8 +49,8 @@ func (s *Server) Reload(next Config) error {
 		}
 	}
 	s.metrics.reloads.WithLabelValues("applied").Inc()
-	s.log.Info("config reloaded", zap.Strings("encoders_added", ch.added), zap.Strings("encoders_draining", ch.draining),
-		zap.Strings("encoders_removed", ch.removed),
+	s.log.Info("config reloaded", zap.Strings("encoders_added", ch.Added), zap.Strings("encoders_draining", ch.Draining),
+		zap.Strings("encoders_removed", ch.Removed),
 		zap.Int("encoders", len(merged.Encoders)), zap.Strings("unchanged_until_restart", restart))
 	return nil
 }

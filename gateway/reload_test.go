@@ -330,7 +330,7 @@ func TestReloadDrainsARemovedEncoder(t *testing.T) {
 		t.Fatalf("enc-1 received %d /encode for %s", n, held)
 	}
 	// While pins need it, a drain check keeps it.
-	g.checkDrained()
+	g.fleet.CheckDrained()
 	if got := upstreamNames(t, g); !slices.Contains(got, "enc-1") {
 		t.Fatalf("enc-1 dropped while pins still need it: %v", got)
 	}
@@ -343,7 +343,7 @@ func TestReloadDrainsARemovedEncoder(t *testing.T) {
 			}
 		}
 	}
-	g.checkDrained()
+	g.fleet.CheckDrained()
 	if got, want := upstreamNames(t, g), []string{"enc-0", "enc-2"}; !slices.Equal(got, want) {
 		t.Fatalf("/admin/upstreams lists %v once enc-1 drained, want %v", got, want)
 	}

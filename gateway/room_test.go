@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/fleet"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/upstream"
@@ -70,7 +71,7 @@ func TestDeadRegistrationsMakeRoomForALiveEncoder(t *testing.T) {
 	cfg.Affinity.UnknownWait = 0
 	g := serveGateway(t, cfg, zap.NewNop(), clk)
 	boot := "http://" + g.BootstrapAddr()
-	window := roomWindow(cfg.Health)
+	window := fleet.RoomWindow(cfg.Health)
 
 	// Parked on the clock: a health loop per encoder in the pool, the pin
 	// sweeper, the /send store's sweeper, the registry's Run and the

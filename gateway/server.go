@@ -15,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
+	"github.com/encgate/encgate/fleet"
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/fdlimit"
@@ -53,12 +54,10 @@ type Server struct {
 	ready   atomic.Bool
 	done    chan error
 
-	fleet   *fleet         // the encoders of every source (fleet.go)
-	guard   *selfGuard     // the gateway's own addresses, kept out of the fleet (selfguard.go)
+	fleet   *fleet.Fleet   // the encoders of every source, fed to pool
 	loop    *loopGuard     // the hop mark on what the gateway forwards (loop.go)
 	recent  recentFailures // the gateway's own latest failure answers, for the status page
 	started time.Time
-	sources *sources // bootstrap, DNS, self-registration, drain checks (sources.go)
 }
 
 // Deps are what a Server takes from its caller.
@@ -78,10 +77,10 @@ type Deps struct {
 	// bench/capacity.sh); nil in production. Unused without Redis.
 	RedisHook redis.Hook
 	// Resolver looks up host names: encoders' for the self check
-	// (selfguard.go), and those of URLs registered on the bootstrap API for
+	// (fleet/selfguard.go), and those of URLs registered on the bootstrap API for
 	// bootstrap.allow_networks (each bounded by its own timeout); nil means
 	// net.DefaultResolver.
-	Resolver Resolver
+	Resolver fleet.Resolver
 	// InterfaceAddrs lists this host's addresses, which a listener on
 	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
 	InterfaceAddrs func() ([]net.Addr, error)
@@ -152,18 +151,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		_ = s.closeStore()
 		return nil, err
 	}
-	resolver := deps.Resolver
-	if resolver == nil {
-		resolver = net.DefaultResolver
-	}
-	s.guard = newSelfGuard(cfg, resolver, deps.InterfaceAddrs, clk)
-	s.fleet = newFleet(deps.Registry)
-	if _, err := s.applyFleet(&cfg, nil); err != nil {
-		pool.Close()
-		_ = s.closeStore()
-		return nil, err
-	}
-	if s.sources, err = s.newSources(cfg, resolver); err != nil {
+	// The registry shares the one Redis client, so that every replica
+	// serves the same fleet.
+	if s.fleet, err = fleet.New(cfg.fleetConfig(), fleet.Deps{Log: log, Registry: deps.Registry, Clock: clk, Pool: pool,
+		Resolver: deps.Resolver, InterfaceAddrs: deps.InterfaceAddrs, Redis: kv, RedisKeyPrefix: cfg.Redis.KeyPrefix}); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err
@@ -274,7 +265,7 @@ func (s *Server) Start() error {
 		return fmt.Errorf("admin_listen: %w", err)
 	}
 	s.ln, s.adln = ln, adln
-	if err := s.startSources(*cfg); err != nil {
+	if err := s.fleet.Start(ln.Addr(), adln.Addr()); err != nil {
 		ln.Close()
 		adln.Close()
 		return err
@@ -292,6 +283,9 @@ func (s *Server) Start() error {
 		zap.Int("encoders", len(cfg.Encoders)), zap.String("via", string(s.loop.entry)))
 	return nil
 }
+
+// BootstrapAddr returns the bootstrap listener's address ("" when off).
+func (s *Server) BootstrapAddr() string { return s.fleet.BootstrapAddr() }
 
 // Addr is the encoder-facing address actually bound.
 func (s *Server) Addr() string { return s.ln.Addr().String() }
@@ -327,7 +321,7 @@ func closeKV(kv redis.UniversalClient) {
 // error when requests were still in flight as ctx ended.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.ready.Store(false)
-	s.unregisterSelf(ctx)
+	s.fleet.Unregister(ctx)
 	delay := s.conf().Shutdown.Delay.D()
 	s.log.Info("draining: not ready", zap.Duration("delay", delay))
 	if delay > 0 {
@@ -344,7 +338,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.conns.Wait()
 	aerr := s.admin.Shutdown(ctx)
 	s.adconns.Wait()
-	berr := s.stopSources(ctx)
+	berr := s.fleet.Stop(ctx)
 	s.pool.Close()
 	serr := s.closeStore()
 	err = errors.Join(err, aerr, berr, serr)

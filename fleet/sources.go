@@ -1,4 +1,4 @@
-package gateway
+package fleet
 
 import (
 	"context"
@@ -19,7 +19,7 @@ import (
 )
 
 // sources runs what makes the fleet dynamic, each on a goroutine of its own
-// until stop: sglang's bootstrap API and its registry, DNS discovery, the
+// until Stop: sglang's bootstrap API and its registry, DNS discovery, the
 // gateway's own registration with sglang bootstrap servers, and the drain
 // checks.
 type sources struct {
@@ -36,39 +36,39 @@ type sources struct {
 	wg     sync.WaitGroup
 }
 
-// newSources builds the registry (shared through Redis when the /send store
-// is Redis, so that every replica serves the same fleet), the DNS source and
+// newSources builds the registry (shared through Redis when Deps.Redis is
+// set, so that every replica serves the same fleet), the DNS source and
 // the registrar, and reads bootstrap.state_file into the memory store.
 // Nothing runs until start; the error is a bootstrap.token_file or a state
 // file that cannot be read.
-func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
+func (f *Fleet) newSources(cfg Config, resolver Resolver) (*sources, error) {
 	src := &sources{}
 	if cfg.Bootstrap.Listen != "" {
 		if err := src.readBootstrapToken(cfg.Bootstrap); err != nil {
 			return nil, err
 		}
-		store := discovery.NewMemoryStore(s.clk)
-		if s.kv != nil {
-			store = discovery.NewRedisStore(s.kv, cfg.Redis.KeyPrefix)
+		store := discovery.NewMemoryStore(f.clk)
+		if f.kv != nil {
+			store = discovery.NewRedisStore(f.kv, f.keyPrefix)
 		} else if cfg.Bootstrap.StateFile != "" {
-			st, err := discovery.OpenStateFile(cfg.Bootstrap, store, s.clk, s.log.Named("bootstrap"), s.reg)
+			st, err := discovery.OpenStateFile(cfg.Bootstrap, store, f.clk, f.log.Named("bootstrap"), f.reg)
 			if err != nil {
 				return nil, err
 			}
 			src.state = st
 		}
-		log := s.log.Named("bootstrap")
-		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, s.clk, log,
-			discovery.WithRoom(roomWindow(cfg.Health)), discovery.WithMetrics(s.reg))
-		src.registry.SetSelfCheck(s.registrationSelfCheck)
+		log := f.log.Named("bootstrap")
+		src.registry = discovery.NewRegistry(cfg.Bootstrap, store, f.clk, log,
+			discovery.WithRoom(RoomWindow(cfg.Pool.Health)), discovery.WithMetrics(f.reg))
+		src.registry.SetSelfCheck(f.registrationSelfCheck)
 		access := discovery.BootstrapAccess{
 			Networks: cfg.Bootstrap.Networks(),
 			Resolve: func(ctx context.Context, host string) ([]netip.Addr, error) {
 				return resolver.LookupNetIP(ctx, "ip", host)
 			},
 			ResolveTimeout: cfg.Bootstrap.ResolveTimeout.D(),
-			Quiet:          listener.Sampled(log, s.clk), // any caller can be refused at any rate
-			Registry:       s.reg,
+			Quiet:          listener.Sampled(log, f.clk), // any caller can be refused at any rate
+			Registry:       f.reg,
 		}
 		if cfg.Bootstrap.TokenFile != "" {
 			access.Token = func() string { return *src.bootToken.Load() }
@@ -84,12 +84,12 @@ func (s *Server) newSources(cfg Config, resolver Resolver) (*sources, error) {
 			ReadBufferSize:        4096,
 			Concurrency:           1024,
 			CloseOnShutdown:       true,
-			Logger:                listener.FasthttpLogger(listener.Sampled(s.log.Named("bootstrap"), s.clk)),
+			Logger:                listener.FasthttpLogger(listener.Sampled(f.log.Named("bootstrap"), f.clk)),
 		}
 	}
 	if len(cfg.RegisterWith) > 0 {
 		src.registrar = discovery.NewRegistrar(cfg.registrar(), discovery.RegistrarDeps{
-			Log: s.log.Named("registrar"), Registry: s.reg, Clock: s.clk})
+			Log: f.log.Named("registrar"), Registry: f.reg, Clock: f.clk})
 	}
 	return src, nil
 }
@@ -117,18 +117,18 @@ func (src *sources) bootstrapToken(b discovery.BootstrapConfig) (*string, error)
 	return &t, nil
 }
 
-// roomWindow is how long a registered encoder has to pass its first health
+// RoomWindow is how long a registered encoder has to pass its first health
 // checks before a full registry may give its place to a new registration,
 // and how long one that passed may go without passing again: up_after
 // probes one interval apart (the first at once), one interval for the
 // refresh that records the pass (refreshRegistrations), and one to spare.
-func roomWindow(h upstream.HealthConfig) time.Duration {
+func RoomWindow(h upstream.HealthConfig) time.Duration {
 	return time.Duration(h.UpAfter+2) * h.Interval.D()
 }
 
 // start listens on bootstrap.listen and starts every source.
-func (s *Server) startSources(cfg Config) error {
-	src := s.sources
+func (f *Fleet) start(cfg Config) error {
+	src := f.sources
 	if src.boot != nil {
 		ln, err := net.Listen("tcp", cfg.Bootstrap.Listen)
 		if err != nil {
@@ -136,51 +136,51 @@ func (s *Server) startSources(cfg Config) error {
 		}
 		src.bootln = ln
 		b := cfg.Bootstrap
-		s.log.Info("bootstrap listening", zap.String("bootstrap_listen", ln.Addr().String()),
+		f.log.Info("bootstrap listening", zap.String("bootstrap_listen", ln.Addr().String()),
 			zap.Bool("token", b.TokenFile != ""), zap.Strings("allow_networks", b.AllowNetworks))
 		if b.Insecure {
-			s.log.Warn("bootstrap.insecure is true: anyone who can reach bootstrap.listen may register an encoder and so receive users' images",
+			f.log.Warn("bootstrap.insecure is true: anyone who can reach bootstrap.listen may register an encoder and so receive users' images",
 				zap.String("bootstrap_listen", ln.Addr().String()))
 		}
 	}
 	// Every listener is bound: the self check learns their ports before
 	// any source can add an encoder.
-	s.bindSelf(src.bootln)
+	f.bindSelf(src.bootln)
 	ctx, cancel := context.WithCancel(context.Background())
 	src.cancel = cancel
-	run := func(name string, f func()) {
+	run := func(name string, fn func()) {
 		src.wg.Add(1)
 		go func() {
 			defer src.wg.Done()
 			defer func() {
 				if r := recover(); r != nil {
-					s.log.Error(name+" panicked", zap.Any("panic", r), zap.Stack("stack"))
+					f.log.Error(name+" panicked", zap.Any("panic", r), zap.Stack("stack"))
 				}
 			}()
-			f()
+			fn()
 		}()
 	}
 	if src.boot != nil {
 		run("bootstrap listener", func() {
 			if err := src.boot.Serve(src.bootln); err != nil {
-				s.log.Error("bootstrap listener stopped", zap.Error(err))
+				f.log.Error("bootstrap listener stopped", zap.Error(err))
 			}
 		})
 		// Registrations converge across replicas within one health interval,
 		// and a registered encoder's TTL is refreshed while it passes checks.
-		every := cfg.Health.Interval.D()
+		every := cfg.Pool.Health.Interval.D()
 		run("bootstrap registry", func() {
-			src.registry.Run(ctx, every, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceRegistered, ms) })
+			src.registry.Run(ctx, every, func(ms []discovery.Member) { f.setDiscovered(upstream.SourceRegistered, ms) })
 		})
-		run("registration refresh", func() { s.refreshRegistrations(ctx, every) })
+		run("registration refresh", func() { f.refreshRegistrations(ctx, every) })
 		if src.state != nil {
 			run("bootstrap state file", func() { src.state.Run(ctx) })
 		}
 	}
 	if len(cfg.Discovery.DNS) > 0 {
-		d := discovery.NewDNS(cfg.Discovery.DNS, discovery.DNSDeps{Log: s.log.Named("discovery"), Registry: s.reg, Clock: s.clk})
+		d := discovery.NewDNS(cfg.Discovery.DNS, discovery.DNSDeps{Log: f.log.Named("discovery"), Registry: f.reg, Clock: f.clk})
 		run("dns discovery", func() {
-			d.Run(ctx, func(ms []discovery.Member) { s.setDiscovered(upstream.SourceDNS, ms) })
+			d.Run(ctx, func(ms []discovery.Member) { f.setDiscovered(upstream.SourceDNS, ms) })
 		})
 	}
 	if src.registrar != nil {
@@ -193,8 +193,8 @@ func (s *Server) startSources(cfg Config) error {
 			src.registrar.Run(rctx)
 		})
 	}
-	run("drain checks", func() { s.runDrainChecks(ctx) })
-	run("self rechecks", func() { s.runSelfRechecks(ctx) })
+	run("drain checks", func() { f.runDrainChecks(ctx) })
+	run("self rechecks", func() { f.runSelfRechecks(ctx) })
 	return nil
 }
 
@@ -203,10 +203,10 @@ func (s *Server) startSources(cfg Config) error {
 // without unregistering leaves once bootstrap.ttl passes without a refresh.
 // The refresh is also how the registry learns which of them pass (the
 // store records it, shared by every replica with Redis): a full registry
-// makes room by evicting one that has not passed for roomWindow.
-func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) {
+// makes room by evicting one that has not passed for RoomWindow.
+func (f *Fleet) refreshRegistrations(ctx context.Context, every time.Duration) {
 	for {
-		t := s.clk.NewTimer(every)
+		t := f.clk.NewTimer(every)
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -214,7 +214,7 @@ func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) 
 		case <-t.C():
 		}
 		var urls []string
-		for _, e := range s.pool.Encoders() {
+		for _, e := range f.pool.Encoders() {
 			if e.Source() == upstream.SourceRegistered && !e.Draining() && !e.Down() {
 				urls = append(urls, e.URL)
 			}
@@ -222,34 +222,34 @@ func (s *Server) refreshRegistrations(ctx context.Context, every time.Duration) 
 		if len(urls) == 0 {
 			continue
 		}
-		if err := s.sources.registry.Refresh(ctx, urls); err != nil && ctx.Err() == nil {
-			s.quiet.Warn("refreshing registrations failed", zap.Int("encoders", len(urls)), zap.Error(err))
+		if err := f.sources.registry.Refresh(ctx, urls); err != nil && ctx.Err() == nil {
+			f.quiet.Warn("refreshing registrations failed", zap.Int("encoders", len(urls)), zap.Error(err))
 		}
 	}
 }
 
-// unregisterSelf takes the gateway's own registrations back (SIGTERM,
+// Unregister takes the gateway's own registrations back (SIGTERM,
 // before draining), so the language servers stop sending it parts.
-func (s *Server) unregisterSelf(ctx context.Context) {
-	r := s.sources.registrar
-	if r == nil || s.sources.regStop == nil {
+func (f *Fleet) Unregister(ctx context.Context) {
+	r := f.sources.registrar
+	if r == nil || f.sources.regStop == nil {
 		return
 	}
-	s.sources.regStop()
-	<-s.sources.regDone
+	f.sources.regStop()
+	<-f.sources.regDone
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	if err := r.Unregister(ctx); err != nil {
-		s.log.Warn("unregistering from bootstrap servers failed", zap.Error(err))
+		f.log.Warn("unregistering from bootstrap servers failed", zap.Error(err))
 		return
 	}
-	s.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", s.conf().RegisterWith))
+	f.log.Info("unregistered from bootstrap servers", zap.Strings("bootstrap", f.conf().RegisterWith))
 }
 
-// stopSources stops every source and the bootstrap listener, then writes
+// Stop stops every source and the bootstrap listener, then writes
 // bootstrap.state_file a last time, after the registry's last change.
-func (s *Server) stopSources(ctx context.Context) error {
-	src := s.sources
+func (f *Fleet) Stop(ctx context.Context) error {
+	src := f.sources
 	if src.cancel != nil {
 		src.cancel()
 	}
@@ -260,19 +260,19 @@ func (s *Server) stopSources(ctx context.Context) error {
 	src.wg.Wait()
 	if src.state != nil {
 		if serr := src.state.Save(); serr != nil {
-			s.log.Error("writing the registrations at shutdown failed", zap.Error(serr))
+			f.log.Error("writing the registrations at shutdown failed", zap.Error(serr))
 			err = errors.Join(err, serr)
 		} else {
-			s.log.Info("registrations written to bootstrap.state_file", zap.String("state_file", s.conf().Bootstrap.StateFile))
+			f.log.Info("registrations written to bootstrap.state_file", zap.String("state_file", f.conf().Bootstrap.StateFile))
 		}
 	}
 	return err
 }
 
 // BootstrapAddr returns the bootstrap listener's address ("" when off).
-func (s *Server) BootstrapAddr() string {
-	if s.sources.bootln == nil {
+func (f *Fleet) BootstrapAddr() string {
+	if f.sources.bootln == nil {
 		return ""
 	}
-	return s.sources.bootln.Addr().String()
+	return f.sources.bootln.Addr().String()
 }

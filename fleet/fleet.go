@@ -1,4 +1,4 @@
-package gateway
+package fleet
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 	"github.com/encgate/encgate/upstream"
 )
 
-// fleet is the gateway's encoder list from every source: the config file's
+// members is the gateway's encoder list from every source: the config file's
 // encoders (static), registrations through sglang's bootstrap API and DNS
 // answers. A name seen from two sources is one encoder; the file's entry
 // wins (it may name an agent and a generation), then a registration, then
@@ -26,7 +26,7 @@ import (
 // /encode, while the follow-ups of req_ids pinned to it still go to it.
 // Once no live pin and no exchange needs it (upstream.Pool.Drained), the
 // next drain check drops it.
-type fleet struct {
+type members struct {
 	mu         sync.Mutex // serialises apply; protects everything below
 	registered []discovery.Member
 	dns        []discovery.Member
@@ -50,8 +50,8 @@ type fleet struct {
 	drainWake chan struct{}
 }
 
-func newFleet(reg prometheus.Registerer) *fleet {
-	f := &fleet{
+func newMembers(reg prometheus.Registerer) *members {
+	m := &members{
 		active:    map[string]upstream.EncoderConfig{},
 		draining:  map[string]upstream.EncoderConfig{},
 		drainWake: make(chan struct{}, 1),
@@ -65,12 +65,12 @@ func newFleet(reg prometheus.Registerer) *fleet {
 		}, []string{"source"}),
 	}
 	for _, src := range []string{upstream.SourceStatic, upstream.SourceRegistered, upstream.SourceDNS} {
-		f.selfRefused.WithLabelValues(src)
+		m.selfRefused.WithLabelValues(src)
 	}
 	if reg != nil {
-		reg.MustRegister(f.gauge, f.selfRefused)
+		reg.MustRegister(m.gauge, m.selfRefused)
 	}
-	return f
+	return m
 }
 
 // merge returns the encoder list for static plus the discovered members
@@ -78,10 +78,10 @@ func newFleet(reg prometheus.Registerer) *fleet {
 // and updates the draining set: an active encoder missing from the new
 // list starts to drain, and a draining one that is back in a source is
 // active again. An encoder named in self (refused as this gateway itself)
-// does not drain: it leaves at once, as its pins could only loop. f.mu is
+// does not drain: it leaves at once, as its pins could only loop. m.mu is
 // held.
-func (f *fleet) merge(static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) (list []upstream.EncoderConfig, left []string) {
-	list = make([]upstream.EncoderConfig, 0, len(static)+len(registered)+len(dns)+len(f.draining))
+func (m *members) merge(static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) (list []upstream.EncoderConfig, left []string) {
+	list = make([]upstream.EncoderConfig, 0, len(static)+len(registered)+len(dns)+len(m.draining))
 	seen := map[string]bool{} // names and URLs: either seen makes a member the same encoder
 	for _, ec := range static {
 		ec.Source, ec.Draining, ec.Joining = upstream.SourceStatic, false, false
@@ -100,78 +100,78 @@ func (f *fleet) merge(static []upstream.EncoderConfig, registered, dns []discove
 	next := make(map[string]upstream.EncoderConfig, len(list))
 	for _, ec := range list {
 		next[ec.Name] = ec
-		delete(f.draining, ec.Name)
+		delete(m.draining, ec.Name)
 	}
 	for name := range self {
 		if _, stays := next[name]; !stays {
-			delete(f.draining, name)
+			delete(m.draining, name)
 		}
 	}
-	for name, ec := range f.active {
+	for name, ec := range m.active {
 		if _, stays := next[name]; !stays && !self[name] {
 			ec.Draining, ec.Joining = true, false
-			f.draining[name] = ec
+			m.draining[name] = ec
 			left = append(left, name)
 		}
 	}
 	sort.Strings(left)
-	f.active = next
-	names := make([]string, 0, len(f.draining))
-	for name := range f.draining {
+	m.active = next
+	names := make([]string, 0, len(m.draining))
+	for name := range m.draining {
 		names = append(names, name)
 	}
 	sort.Strings(names)
 	for _, name := range names {
-		list = append(list, f.draining[name])
+		list = append(list, m.draining[name])
 	}
 	return list, left
 }
 
-// count sets encgate_fleet_encoders from list. f.mu is held.
-func (f *fleet) count(list []upstream.EncoderConfig) {
-	f.gauge.Reset()
+// count sets encgate_fleet_encoders from list. m.mu is held.
+func (m *members) count(list []upstream.EncoderConfig) {
+	m.gauge.Reset()
 	for _, src := range []string{upstream.SourceStatic, upstream.SourceRegistered, upstream.SourceDNS} {
-		f.gauge.WithLabelValues(src, "active").Set(0)
-		f.gauge.WithLabelValues(src, "draining").Set(0)
+		m.gauge.WithLabelValues(src, "active").Set(0)
+		m.gauge.WithLabelValues(src, "draining").Set(0)
 	}
 	for _, ec := range list {
 		state := "active"
 		if ec.Draining {
 			state = "draining"
 		}
-		f.gauge.WithLabelValues(ec.Source, state).Inc()
+		m.gauge.WithLabelValues(ec.Source, state).Inc()
 	}
 }
 
-// applyFleet puts in force the fleet of next (its static encoders and
+// apply puts in force the fleet of next (its static encoders and
 // settings; nil: the config in force) plus the discovered members. It is
 // how every change of the fleet reaches the pool: a reload, a
 // registration, a DNS answer, a drain. commit, when set, runs on success
 // before the fleet's lock is released: a reload stores its config there, so
 // a discovery change applied next uses that config and not the one before.
-func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err error) {
-	f := s.fleet
-	f.mu.Lock()
-	defer f.mu.Unlock()
+func (f *Fleet) apply(next *Config, commit func()) (ch Change, err error) {
+	m := f.members
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	c := next
 	if c == nil {
-		c = s.conf()
+		c = f.conf()
 	}
-	prevActive, prevDraining := maps.Clone(f.active), maps.Clone(f.draining)
-	static, registered, dns, self := s.withoutSelf(c)
-	list, left := f.merge(static, registered, dns, self)
-	set := poolSettings(*c)
+	prevActive, prevDraining := maps.Clone(m.active), maps.Clone(m.draining)
+	static, registered, dns, self := f.withoutSelf(c)
+	list, left := m.merge(static, registered, dns, self)
+	set := c.Pool
 	set.Encoders = list
-	added, removed, err := s.pool.Reload(set)
+	added, removed, err := f.pool.Reload(set)
 	if err != nil {
-		f.active, f.draining = prevActive, prevDraining // nothing changed
-		return fleetChange{}, err
+		m.active, m.draining = prevActive, prevDraining // nothing changed
+		return Change{}, err
 	}
-	ch = fleetChange{added: added, removed: removed, draining: left}
-	f.count(list)
-	if len(f.draining) > 0 {
+	ch = Change{Added: added, Removed: removed, Draining: left}
+	m.count(list)
+	if len(m.draining) > 0 {
 		select {
-		case f.drainWake <- struct{}{}:
+		case m.drainWake <- struct{}{}:
 		default:
 		}
 	}
@@ -181,82 +181,84 @@ func (s *Server) applyFleet(next *Config, commit func()) (ch fleetChange, err er
 	return ch, nil
 }
 
-// fleetChange is what an apply changed: encoders that started (added),
-// stopped (removed: dropped after a drain, or a name moved to another URL)
-// and started to drain.
-type fleetChange struct{ added, removed, draining []string }
+// Change is what an apply changed: encoders that started (Added),
+// stopped (Removed: dropped after a drain, or a name moved to another URL)
+// and started to drain (Draining).
+type Change struct{ Added, Removed, Draining []string }
 
-func (c fleetChange) empty() bool { return len(c.added)+len(c.removed)+len(c.draining) == 0 }
+// Empty reports whether the apply changed nothing.
+func (c Change) Empty() bool { return len(c.Added)+len(c.Removed)+len(c.Draining) == 0 }
 
 // setDiscovered records a source's members and applies the fleet.
-func (s *Server) setDiscovered(source string, members []discovery.Member) {
-	s.fleet.mu.Lock()
+func (f *Fleet) setDiscovered(source string, ms []discovery.Member) {
+	f.members.mu.Lock()
 	switch source {
 	case upstream.SourceRegistered:
-		s.fleet.registered = members
+		f.members.registered = ms
 	case upstream.SourceDNS:
-		s.fleet.dns = members
+		f.members.dns = ms
 	}
-	s.fleet.mu.Unlock()
-	ch, err := s.applyFleet(nil, nil)
+	f.members.mu.Unlock()
+	ch, err := f.apply(nil, nil)
 	if err != nil {
-		s.log.Error("fleet change refused", zap.String("source", source), zap.Error(err))
+		f.log.Error("fleet change refused", zap.String("source", source), zap.Error(err))
 		return
 	}
-	if !ch.empty() {
-		s.log.Info("fleet changed", zap.String("source", source), zap.Strings("encoders_added", ch.added),
-			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed),
-			zap.Int("members", len(members)))
+	if !ch.Empty() {
+		f.log.Info("fleet changed", zap.String("source", source), zap.Strings("encoders_added", ch.Added),
+			zap.Strings("encoders_draining", ch.Draining), zap.Strings("encoders_removed", ch.Removed),
+			zap.Int("members", len(ms)))
 	}
 }
 
-// checkDrained drops the draining encoders that no longer hold anything,
-// and reports whether some still drain.
-func (s *Server) checkDrained() bool {
-	done := s.pool.Drained()
+// CheckDrained drops the draining encoders that no longer hold anything,
+// and reports whether some still drain. The drain checks call it every
+// drainCheckEvery while some encoder drains; a caller may run one now.
+func (f *Fleet) CheckDrained() bool {
+	done := f.pool.Drained()
 	if len(done) == 0 {
-		return s.stillDraining()
+		return f.stillDraining()
 	}
-	s.fleet.mu.Lock()
+	f.members.mu.Lock()
 	for _, name := range done {
-		delete(s.fleet.draining, name)
+		delete(f.members.draining, name)
 	}
-	s.fleet.mu.Unlock()
-	if _, err := s.applyFleet(nil, nil); err != nil {
-		s.log.Error("dropping drained encoders refused", zap.Strings("encoders", done), zap.Error(err))
+	f.members.mu.Unlock()
+	if _, err := f.apply(nil, nil); err != nil {
+		f.log.Error("dropping drained encoders refused", zap.Strings("encoders", done), zap.Error(err))
 		return true
 	}
-	s.log.Info("drained encoders dropped", zap.Strings("encoders", done))
-	return s.stillDraining()
+	f.log.Info("drained encoders dropped", zap.Strings("encoders", done))
+	return f.stillDraining()
 }
 
-func (s *Server) stillDraining() bool {
-	s.fleet.mu.Lock()
-	defer s.fleet.mu.Unlock()
-	return len(s.fleet.draining) > 0
+func (f *Fleet) stillDraining() bool {
+	f.members.mu.Lock()
+	defer f.members.mu.Unlock()
+	return len(f.members.draining) > 0
 }
 
 // drainCheckEvery is how often the gateway looks for drained encoders. The
 // check walks the pin table only while some encoder drains.
 const drainCheckEvery = time.Second
 
-// runDrainChecks calls checkDrained every drainCheckEvery while some
+// runDrainChecks calls CheckDrained every drainCheckEvery while some
 // encoder drains, until ctx ends; with none draining it waits for one.
-func (s *Server) runDrainChecks(ctx context.Context) {
+func (f *Fleet) runDrainChecks(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-s.fleet.drainWake:
+		case <-f.members.drainWake:
 		}
 		for draining := true; draining; {
-			t := s.clk.NewTimer(drainCheckEvery)
+			t := f.clk.NewTimer(drainCheckEvery)
 			select {
 			case <-ctx.Done():
 				t.Stop()
 				return
 			case <-t.C():
-				draining = s.checkDrained()
+				draining = f.CheckDrained()
 			}
 		}
 	}
@@ -272,9 +274,9 @@ const maxParallelLookups = 16
 // self_guard.resolve_timeout; a lookup younger than
 // self_guard.recheck_interval stands). A name that does not resolve
 // refuses nothing. Each refusal is logged and counted once, when it
-// starts. f.mu is held.
-func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) {
-	f, g := s.fleet, s.guard
+// starts. f.members.mu is held.
+func (f *Fleet) withoutSelf(c *Config) (static []upstream.EncoderConfig, registered, dns []discovery.Member, self map[string]bool) {
+	m, g := f.members, f.guard
 	ctx := context.Background()
 	how := selfCheck{timeout: c.SelfGuard.ResolveTimeout.D(), fresh: c.SelfGuard.RecheckInterval.D()}
 	names := map[string]bool{}
@@ -287,7 +289,7 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 		note(ec.URL)
 		note(ec.Agent)
 	}
-	for _, m := range append(append([]discovery.Member(nil), f.registered...), f.dns...) {
+	for _, m := range append(append([]discovery.Member(nil), m.registered...), m.dns...) {
 		note(m.URL)
 	}
 	var wg sync.WaitGroup
@@ -316,8 +318,8 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 			if err != nil {
 				key := source + " " + u
 				unresolved[key] = true
-				if !f.unresolved[key] {
-					s.quiet.Info("cannot tell whether an encoder is this gateway: its host name does not resolve; it stays, and is checked again every self_guard.recheck_interval",
+				if !m.unresolved[key] {
+					f.quiet.Info("cannot tell whether an encoder is this gateway: its host name does not resolve; it stays, and is checked again every self_guard.recheck_interval",
 						zap.String("source", source), zap.String("encoder", name), zap.String("url", u), zap.Error(err))
 				}
 				continue
@@ -328,11 +330,11 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 			key := source + " " + name
 			refused[key] = u + " " + why
 			self[name] = true
-			if _, was := f.refused[key]; !was {
-				f.selfRefused.WithLabelValues(source).Inc()
-				log := s.log
+			if _, was := m.refused[key]; !was {
+				m.selfRefused.WithLabelValues(source).Inc()
+				log := f.log
 				if source == upstream.SourceRegistered {
-					log = s.quiet // registrations come from whoever reaches the bootstrap API
+					log = f.quiet // registrations come from whoever reaches the bootstrap API
 				}
 				log.Warn("encoder refused: it is this gateway itself", zap.String("source", source),
 					zap.String("encoder", name), zap.String("reason", u+" "+why))
@@ -346,17 +348,17 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 			static = append(static, ec)
 		}
 	}
-	for _, m := range f.registered {
+	for _, m := range m.registered {
 		if !isSelf(upstream.SourceRegistered, m.Name, m.URL) {
 			registered = append(registered, m)
 		}
 	}
-	for _, m := range f.dns {
+	for _, m := range m.dns {
 		if !isSelf(upstream.SourceDNS, m.Name, m.URL) {
 			dns = append(dns, m)
 		}
 	}
-	f.refused, f.unresolved = refused, unresolved
+	m.refused, m.unresolved = refused, unresolved
 	return static, registered, dns, self
 }
 
@@ -364,58 +366,58 @@ func (s *Server) withoutSelf(c *Config) (static []upstream.EncoderConfig, regist
 // listen of :0 got are known only now) and applies the fleet again, so a
 // static encoder that turns out to be the gateway leaves before any
 // traffic.
-func (s *Server) bindSelf(boot net.Listener) {
-	ls := map[string]net.Addr{"listen": s.ln.Addr(), "admin_listen": s.adln.Addr()}
+func (f *Fleet) bindSelf(boot net.Listener) {
+	ls := map[string]net.Addr{"listen": f.ln, "admin_listen": f.adln}
 	if boot != nil {
 		ls["bootstrap.listen"] = boot.Addr()
 	}
-	s.guard.bind(ls)
-	s.reapply("self check")
+	f.guard.bind(ls)
+	f.reapply("self check")
 }
 
-// recheckSelf looks up every encoder host name again and applies the
+// RecheckSelf looks up every encoder host name again and applies the
 // fleet, so a name that now resolves to the gateway (or resolves at all)
 // is checked; it reports whether some name is still kept.
-func (s *Server) recheckSelf() bool {
-	if s.guard.expireNames() == 0 {
+func (f *Fleet) RecheckSelf() bool {
+	if f.guard.expireNames() == 0 {
 		return false
 	}
-	s.reapply("self recheck")
-	return s.guard.namesKept() > 0
+	f.reapply("self recheck")
+	return f.guard.namesKept() > 0
 }
 
 // reapply applies the fleet in force again and logs what changed.
-func (s *Server) reapply(why string) {
-	ch, err := s.applyFleet(nil, nil)
+func (f *Fleet) reapply(why string) {
+	ch, err := f.apply(nil, nil)
 	if err != nil {
-		s.log.Error("fleet change refused", zap.String("cause", why), zap.Error(err))
+		f.log.Error("fleet change refused", zap.String("cause", why), zap.Error(err))
 		return
 	}
-	if !ch.empty() {
-		s.log.Info("fleet changed", zap.String("cause", why), zap.Strings("encoders_added", ch.added),
-			zap.Strings("encoders_draining", ch.draining), zap.Strings("encoders_removed", ch.removed))
+	if !ch.Empty() {
+		f.log.Info("fleet changed", zap.String("cause", why), zap.Strings("encoders_added", ch.Added),
+			zap.Strings("encoders_draining", ch.Draining), zap.Strings("encoders_removed", ch.Removed))
 	}
 }
 
-// runSelfRechecks calls recheckSelf every self_guard.recheck_interval
+// runSelfRechecks calls RecheckSelf every self_guard.recheck_interval
 // while the fleet has encoders named by a host name on one of the
 // gateway's ports, until ctx ends; with none it waits for one (no timer).
-func (s *Server) runSelfRechecks(ctx context.Context) {
+func (f *Fleet) runSelfRechecks(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-s.guard.named:
+		case <-f.guard.named:
 		}
 		for named := true; named; {
-			t := s.clk.NewTimer(s.conf().SelfGuard.RecheckInterval.D())
+			t := f.clk.NewTimer(f.conf().SelfGuard.RecheckInterval.D())
 			select {
 			case <-ctx.Done():
 				t.Stop()
 				return
 			case <-t.C():
 			}
-			named = s.recheckSelf()
+			named = f.RecheckSelf()
 		}
 	}
 }
@@ -425,11 +427,11 @@ func (s *Server) runSelfRechecks(ctx context.Context) {
 // anyone who reaches the bootstrap API can send them) and counted. A name
 // that does not resolve refuses nothing: it joins, and the fleet's checks
 // look it up again.
-func (s *Server) registrationSelfCheck(ctx context.Context, u string) string {
-	why, _ := s.guard.check(ctx, u, selfCheck{timeout: s.conf().SelfGuard.ResolveTimeout.D()})
+func (f *Fleet) registrationSelfCheck(ctx context.Context, u string) string {
+	why, _ := f.guard.check(ctx, u, selfCheck{timeout: f.conf().SelfGuard.ResolveTimeout.D()})
 	if why != "" {
-		s.fleet.selfRefused.WithLabelValues(upstream.SourceRegistered).Inc()
-		s.quiet.Warn("encoder registration refused: it is this gateway itself", zap.String("url", u), zap.String("reason", why))
+		f.members.selfRefused.WithLabelValues(upstream.SourceRegistered).Inc()
+		f.quiet.Warn("encoder registration refused: it is this gateway itself", zap.String("url", u), zap.String("reason", why))
 	}
 	return why
 }

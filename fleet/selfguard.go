@@ -1,4 +1,4 @@
-package gateway
+package fleet
 
 import (
 	"context"
@@ -33,7 +33,7 @@ import (
 //
 // Every refusal counts in encgate_fleet_self_refused_total{source}. What
 // addresses cannot show (NAT, a Service in front of the gateway, a second
-// gateway chained back) the hop mark ends (loop.go).
+// gateway chained back) the gateway's hop mark ends (gateway/loop.go).
 
 // selfGuard knows the gateway's own addresses and says whether an encoder
 // URL leads to one of them.
