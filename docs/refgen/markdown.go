@@ -107,11 +107,44 @@ func startsWord(s string) bool {
 	return s != "" && (unicode.IsLetter(rune(s[0])) || unicode.IsDigit(rune(s[0])))
 }
 
-// markdown renders a Go doc comment as Markdown.
+// markdown renders a Go doc comment as Markdown. A URL in it stays text:
+// the comments' URLs are examples and templates (http://host:port), not
+// places to go.
 func markdown(doc string) string {
 	var p comment.Parser
+	d := p.Parse(doc)
+	for _, b := range d.Content {
+		switch b := b.(type) {
+		case *comment.Paragraph:
+			b.Text = unlink(b.Text)
+		case *comment.List:
+			for _, item := range b.Items {
+				for _, ib := range item.Content {
+					if para, ok := ib.(*comment.Paragraph); ok {
+						para.Text = unlink(para.Text)
+					}
+				}
+			}
+		}
+	}
 	pr := &comment.Printer{HeadingLevel: 5}
-	return string(pr.Markdown(p.Parse(doc)))
+	return string(pr.Markdown(d))
+}
+
+// unlink replaces the URLs the comment parser linked by their text.
+func unlink(text []comment.Text) []comment.Text {
+	var out []comment.Text
+	for _, t := range text {
+		switch t := t.(type) {
+		case *comment.Link:
+			if t.Auto {
+				out = append(out, t.Text...)
+				continue
+			}
+		}
+		out = append(out, t)
+	}
+	return out
 }
 
 // code is s as a Markdown code span.
