@@ -10,13 +10,13 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fleet"
 	"github.com/encgate/encgate/idempotency"
+	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/fdlimit"
 	"github.com/encgate/encgate/internal/listener"
@@ -42,7 +42,7 @@ type Server struct {
 	stopPins func()                // ends the shared pins' subscription; nil without Redis
 	sends    *idempotency.Sends
 	metrics  *metrics
-	reg      *prometheus.Registry
+	reg      Registry
 
 	srv     *fasthttp.Server
 	admin   *http.Server
@@ -60,10 +60,14 @@ type Server struct {
 	started time.Time
 }
 
+// Registry is where a gateway registers its metrics and what its /metrics
+// serves (admin.Registry).
+type Registry = admin.Registry
+
 // Deps are what a Server takes from its caller.
 type Deps struct {
 	Log      *zap.Logger
-	Registry *prometheus.Registry
+	Registry Registry
 	Clock    clock.Clock      // nil means the wall clock
 	Rand     func() float64   // uniform in [0,1) for backoff jitter; nil means math/rand/v2
 	Level    *zap.AtomicLevel // when set, a reload applies log.level to it

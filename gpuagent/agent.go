@@ -32,7 +32,7 @@ type Agent struct {
 	cfg      Config
 	log      *zap.Logger
 	clk      clock.Clock
-	reg      *prometheus.Registry
+	reg      Registry
 	metrics  *metrics
 	store    *store
 	allow    []netip.Prefix
@@ -72,11 +72,15 @@ type Agent struct {
 	swept   chan struct{} // closed when the sweeper has ended
 }
 
+// Registry is where an agent registers its metrics and what its /metrics
+// serves (admin.Registry).
+type Registry = admin.Registry
+
 // Deps are what an Agent takes from its caller.
 type Deps struct {
-	Log      *zap.Logger          // nil means no logging
-	Registry *prometheus.Registry // nil means a private registry
-	Clock    clock.Clock          // nil means the wall clock; drives the TTL sweep and ages
+	Log      *zap.Logger // nil means no logging
+	Registry Registry    // nil means a private registry
+	Clock    clock.Clock // nil means the wall clock; drives the TTL sweep and ages
 	// Notifier, when set, replaces the one notify.http_url chooses.
 	Notifier Notifier
 }

@@ -117,11 +117,20 @@ type BudgetConfig struct {
 // RetryConfig holds the retry policy of each upstream route and the retry
 // budget.
 type RetryConfig struct {
-	Metadata   RetryPolicy  `yaml:"metadata"`    // POST /scheduler_receive_meta_data
-	ReceiveURL RetryPolicy  `yaml:"receive_url"` // POST /scheduler_receive_url
-	Encode     RetryPolicy  `yaml:"encode"`      // POST /encode
-	Send       RetryPolicy  `yaml:"send"`        // POST /send
-	Budget     BudgetConfig `yaml:"budget"`
+	// Metadata is the policy of POST /scheduler_receive_meta_data, a
+	// receiver rank's metadata pull.
+	Metadata RetryPolicy `yaml:"metadata"`
+	// ReceiveURL is the policy of POST /scheduler_receive_url, a receiver
+	// rank's registration of where the embedding goes.
+	ReceiveURL RetryPolicy `yaml:"receive_url"`
+	// Encode is the policy of POST /encode.
+	Encode RetryPolicy `yaml:"encode"`
+	// Send is the policy of POST /send.
+	Send RetryPolicy `yaml:"send"`
+	// Budget bounds the retries of each route: over a sliding window they
+	// may add at most ratio × requests plus min_per_second × window; when it
+	// is spent, the last answer goes back at once.
+	Budget BudgetConfig `yaml:"budget"`
 }
 
 // Route labels, as Policy takes them and metrics carry them.

@@ -11,10 +11,18 @@ import (
 	"github.com/encgate/encgate/internal/sglang"
 )
 
+// Registry is where a gateway or an agent registers its metrics and what
+// its /metrics serves: a *prometheus.Registry, or one wrapped to see each
+// collector registered (docs/refgen lists the metrics that way).
+type Registry interface {
+	prometheus.Registerer
+	prometheus.Gatherer
+}
+
 // Options describe one admin listener: the gateway's or the agent's.
 type Options struct {
 	// Registry is what /metrics serves.
-	Registry *prometheus.Registry
+	Registry Registry
 	// Ready answers /readyz: 200 "ready" while it is true, else 503.
 	Ready func() bool
 	// Token is admin.token as it is now ("": the protected routes are
