@@ -51,7 +51,8 @@ const (
 )
 
 // maxProblems bounds the problems reported: past it a file is not a config
-// with mistakes but something else, often an alias multiplying one.
+// with mistakes but something else, often an alias multiplying one, and the
+// walk stops, leaving dst as it was.
 const maxProblems = 1000
 
 // walk checks the document's value n against dst's type t and returns the
