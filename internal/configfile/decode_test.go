@@ -314,6 +314,17 @@ func TestDecodeRefusesAliasBombs(t *testing.T) {
 	if len(v) != 2 || v["b"] == nil {
 		t.Errorf("decoded %v, want a and b", v)
 	}
+	// Many such values, each within yaml.v3's bound, exceed it together:
+	// then yaml.v3 refuses the document, naming no line.
+	b.Reset()
+	b.WriteString("a: &a [" + strings.TrimSuffix(strings.Repeat("1, ", 300), ", ") + "]\nb: &b [*a, *a, *a]\n")
+	for i := range 400 {
+		fmt.Fprintf(&b, "k%d: *b\n", i)
+	}
+	if err := Decode([]byte(b.String()), &v); err == nil || errors.As(err, &de) ||
+		err.Error() != "parsing config: document contains excessive aliasing" {
+		t.Fatalf("Decode = %v, want the document refused", err)
+	}
 }
 
 func TestDecodeStopsAfterManyProblems(t *testing.T) {
