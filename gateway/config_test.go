@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 
@@ -161,6 +162,50 @@ func TestLoadConfigReportsDecodeAndValidationProblemsTogether(t *testing.T) {
 		if !strings.Contains(err.Error(), w) {
 			t.Errorf("%q missing from:\n%v", w, err)
 		}
+	}
+}
+
+// Top-level x- keys are ignored: they hold anchors that merge keys and
+// aliases use elsewhere. A misspelt key names the key it is near.
+func TestLoadConfigExtensionKeysAndSuggestions(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "anchors.yaml")
+	body := `x-policy: &policy
+  max_attempts: 4
+  initial_backoff: 100ms
+x-encoder: &enc {generation: gen1}
+encoders:
+  - {<<: *enc, name: a, url: "http://127.0.0.1:1"}
+  - {<<: *enc, name: b, url: "http://127.0.0.1:2", generation: new}
+retry:
+  send: {<<: *policy, deadline: 30s}
+  receive_url: *policy
+`
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := cfg.Encoders; len(e) != 2 || e[0].Generation != upstream.Gen1 || e[1].Generation != upstream.GenNew {
+		t.Errorf("encoders = %+v", e)
+	}
+	def := DefaultConfig().Retry
+	if s := cfg.Retry.Send; s.MaxAttempts != 4 || s.InitialBackoff.D() != 100*time.Millisecond || s.Deadline.D() != 30*time.Second ||
+		s.MaxBackoff != def.Send.MaxBackoff {
+		t.Errorf("send = %+v: want the merged keys over the defaults", s)
+	}
+	if r := cfg.Retry.ReceiveURL; r.MaxAttempts != 4 || r.PerTryTimeout != def.ReceiveURL.PerTryTimeout {
+		t.Errorf("receive_url = %+v", r)
+	}
+
+	path = filepath.Join(dir, "typo.yaml")
+	if err := os.WriteFile(path, []byte("encoders: [{name: a, url: \"http://x:1\"}]\naffinity:\n  unknwn_wait: 5s\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadConfig(path); err == nil || err.Error() != `affinity.unknwn_wait: unknown key, did you mean "unknown_wait"? (line 3)` {
+		t.Errorf("err = %v", err)
 	}
 }
 

@@ -338,7 +338,7 @@ func TestDecodeRetry(t *testing.T) {
 	bad := []struct{ in, want string }{
 		{"retry: {metadata: {jitter: sometimes}}", `retry.metadata.jitter: jitter "sometimes" is not full, equal, none or a fraction`},
 		{"retry: {metadata: {jitter: [1]}}", "want a jitter"},
-		{"retry: {metadata: {max_attempt: 2}}", "retry.metadata.max_attempt: unknown key (line 1)"},
+		{"retry: {metadata: {max_attempt: 2}}", `retry.metadata.max_attempt: unknown key, did you mean "max_attempts"? (line 1)`},
 		{"retry: {send: {retry_on: [reset]}}", `unknown condition "reset"`},
 		{"retry: {send: {retry_on: [{status: 503, body: x}]}}", `unknown key "body"`},
 		{"retry: {budget: {window: soon}}", `"soon" is not a duration`},

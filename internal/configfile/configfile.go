@@ -1,7 +1,9 @@
 // Package configfile provides the pieces every encgate YAML file shares:
-// strict decoding (an unknown key is an error that names it), human units for
-// durations ("250ms") and byte sizes ("8MiB"), and field-path validation
-// errors ("encoders[1].url: ...") collected with errors.Join.
+// strict decoding on top of yaml.v3 (an unknown key is an error that names
+// it and the known key it is probably a misspelling of; top-level "x-" keys
+// are free for anchors), human units for durations ("250ms") and byte sizes
+// ("8MiB"), and field-path validation errors ("encoders[1].url: ...")
+// collected with errors.Join.
 package configfile
 
 import (
@@ -38,9 +40,12 @@ func Load(path string, dst any) error {
 // holds everything else, so the caller can validate it too and report all
 // problems at once. Any other error means nothing usable was decoded.
 //
-// The document is parsed into a node tree, which is then walked alongside
-// dst (see decoder), so a problem's path is where it was found, never
-// inferred from an error message.
+// yaml.v3 decodes: anchors, aliases and merge keys (<<) work as there. The
+// node tree is first walked alongside dst's type (see checker), so that a
+// problem's path is where it was found, never inferred from an error
+// message, and what yaml.v3 would refuse is left out of what it decodes.
+// Top-level keys starting "x-" (YAML extension fields, a place for anchors
+// to merge elsewhere) are ignored.
 func Decode(data []byte, dst any) error {
 	rv := reflect.ValueOf(dst)
 	if rv.Kind() != reflect.Pointer || rv.IsNil() {
@@ -58,12 +63,30 @@ func Decode(data []byte, dst any) error {
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
 		return errors.New("parsing config: more than one YAML document")
 	}
-	d := newDecoder(data)
-	if err := d.run(&doc, rv.Elem()); err != nil {
+	if len(doc.Content) != 1 {
+		return nil
+	}
+	c, err := walk(doc.Content[0], rv.Elem().Type())
+	if err != nil {
 		return err
 	}
-	if len(d.problems) > 0 {
-		return &DecodeError{Problems: d.problems}
+	tree := &doc
+	if len(c.drop) > 0 {
+		tree = c.pruned(tree, map[*yaml.Node]*yaml.Node{})
+	}
+	if err := tree.Decode(dst); err != nil {
+		// The walk found whatever yaml.v3 refuses; what is left is
+		// aliases that expand too much for yaml.v3's own bound.
+		var te *yaml.TypeError
+		if !errors.As(err, &te) {
+			return fmt.Errorf("parsing config: %s", errText(err))
+		}
+		for _, e := range te.Errors {
+			c.problems = append(c.problems, errors.New(e))
+		}
+	}
+	if len(c.problems) > 0 {
+		return &DecodeError{Problems: c.problems}
 	}
 	return nil
 }
@@ -71,28 +94,29 @@ func Decode(data []byte, dst any) error {
 // lineOf returns "line N: " for a YAML syntax error that names no line, else
 // "". A syntax error is a plain error from yaml.v3's parser, whose position
 // is not exposed in any other way, so this is the one place that reads
-// yaml's text, and only to see whether the message already names a line; the
-// line itself, where present, is yaml's (which, unlike the lines of
-// problems, also counts NEL, LS and PS as breaks). yaml.v3 leaves it out for a
-// character YAML does not allow (found here: the first such character), for
-// a problem on the first line and for an unknown anchor (line 1 here, unless
-// a character YAML does not allow comes first).
+// yaml's text, and only to see whether the message already names a line.
+// yaml.v3 leaves it out for a character YAML does not allow (found here: the
+// first such character), for a problem on the first line and for an unknown
+// anchor (line 1 here, unless a character YAML does not allow comes first).
+// Lines are counted as yaml.v3 counts them: broken at \n, \r\n, a lone \r
+// and (YAML 1.1) NEL, LS and PS.
 func lineOf(data []byte, err error) string {
 	if strings.Contains(err.Error(), "line ") {
 		return ""
 	}
-	at := 0
+	line, prev := 1, rune(0)
 	for i, r := range string(data) {
 		ok := r == '\t' || r == '\n' || r == '\r' || r >= 0x20 && r <= 0x7e || r == 0x85 ||
 			r >= 0xa0 && r <= 0xd7ff || r >= 0xe000 && r <= 0xfffd || r >= 0x10000
 		if !ok || r == utf8.RuneError && !strings.HasPrefix(string(data[i:]), "\ufffd") {
-			at = i
-			break
+			return "line " + strconv.Itoa(line) + ": "
 		}
+		if r == '\r' || r == '\n' && prev != '\r' || r == 0x85 || r == 0x2028 || r == 0x2029 {
+			line++
+		}
+		prev = r
 	}
-	pre := data[:at] // YAML breaks lines at \n, \r\n and a lone \r
-	breaks := bytes.Count(pre, []byte("\n")) + bytes.Count(pre, []byte("\r")) - bytes.Count(pre, []byte("\r\n"))
-	return "line " + strconv.Itoa(1+breaks) + ": "
+	return "line 1: "
 }
 
 // DecodeError lists the keys that could not be decoded, each a *FieldError
@@ -109,8 +133,8 @@ type FieldError struct {
 	// Path is the field path ("retry.metadata.retry_on[2]"), "" for the
 	// document itself. Decode sets it; ValueError leaves it empty.
 	Path string
-	// Line and Column are where the offending YAML starts (1-based), lines
-	// counted as an editor counts them (see lineMap).
+	// Line and Column are where the offending YAML starts (1-based), as
+	// yaml.v3 counts them.
 	Line, Column int
 	// Msg says what is wrong.
 	Msg string

@@ -1,9 +1,6 @@
 package configfile
 
 import (
-	"bytes"
-	"encoding"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -12,42 +9,56 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode/utf16"
 
 	"go.yaml.in/yaml/v3"
 )
 
-// decoder walks a document's node tree alongside the Go value it decodes
-// into, so that every problem is found at a known field path and node. It
-// follows yaml.v3's rules (keys matched by yaml tag, pointers allocated,
-// maps added to, lists replaced, aliases and merge keys resolved alike),
-// and leaves three things to yaml.v3 itself: a scalar, a value whose type
-// has its own UnmarshalYAML, and an interface value, each decoded with
-// yaml.Node.Decode on its own node. So a scalar is accepted in exactly the
-// forms yaml.v3 accepts, and when one is refused the message is built here
-// from the node and the Go type, not taken from yaml's text.
-type decoder struct {
-	data     []byte
-	lines    lineMap // made for the first problem
+// checker walks a document's node tree alongside the Go type it decodes
+// into, for what yaml.v3 does not do itself: it names every problem's field
+// path, refuses unknown keys (suggesting a near one) and repeated ones, and
+// goes on after a problem. It sets no value: each scalar, and each value
+// whose type has its own UnmarshalYAML, is tried with yaml.v3 on a scratch
+// value of its type, and whatever is refused is marked to drop, so that
+// yaml.v3 then decodes the rest of the document into dst without error.
+type checker struct {
 	problems []error
+	// drop holds the key of each pair, and each list element, to leave
+	// out of the document yaml.v3 decodes.
+	drop map[*yaml.Node]bool
 	// aliases holds the aliases being expanded, to refuse one whose
-	// anchor's value contains it.
+	// anchor's value contains it (yaml.v3 stops decoding at it).
 	aliases map[*yaml.Node]bool
-	// Expansion bound: nodes decoded, and how many of them were reached
+	// Expansion bound: nodes walked, and how many of them were reached
 	// through an alias (see step).
 	count, aliasCount, aliasDepth int
-}
-
-func newDecoder(data []byte) *decoder {
-	return &decoder{data: data, aliases: map[*yaml.Node]bool{}}
 }
 
 // abort carries the error that ends the walk early, by panicking out of
 // however deep it is.
 type abort struct{ err error }
 
-// run decodes the document n into v.
-func (d *decoder) run(n *yaml.Node, v reflect.Value) (err error) {
+var (
+	nodeType        = reflect.TypeFor[yaml.Node]()
+	durationType    = reflect.TypeFor[time.Duration]()
+	unmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
+	obsoleteType    = reflect.TypeFor[interface{ UnmarshalYAML(func(any) error) error }]()
+	textType        = reflect.TypeFor[interface{ UnmarshalText([]byte) error }]()
+)
+
+const (
+	nullTag   = "!!null"
+	mergeName = "<<"
+)
+
+// maxProblems bounds the problems reported: past it a file is not a config
+// with mistakes but something else, often an alias multiplying one, and the
+// walk stops, leaving dst as it was.
+const maxProblems = 1000
+
+// walk checks the document's value n against dst's type t and returns the
+// problems, or the error that stopped the walk.
+func walk(n *yaml.Node, t reflect.Type) (c *checker, err error) {
+	c = &checker{drop: map[*yaml.Node]bool{}, aliases: map[*yaml.Node]bool{}}
 	defer func() {
 		if r := recover(); r != nil {
 			a, ok := r.(abort)
@@ -57,283 +68,335 @@ func (d *decoder) run(n *yaml.Node, v reflect.Value) (err error) {
 			err = a.err
 		}
 	}()
-	d.decode(n, v, "")
-	return nil
+	if !c.check(n, t, "") {
+		c.drop[n] = true // dst stays as it was
+	}
+	return c, nil
 }
-
-var (
-	nodeType           = reflect.TypeFor[yaml.Node]()
-	durationType       = reflect.TypeFor[time.Duration]()
-	unmarshalerType    = reflect.TypeFor[yaml.Unmarshaler]()
-	obsoleteType       = reflect.TypeFor[interface{ UnmarshalYAML(func(any) error) error }]()
-	textUnmarshalerTyp = reflect.TypeFor[encoding.TextUnmarshaler]()
-)
-
-const (
-	nullTag   = "!!null"
-	mergeTag  = "!!merge"
-	mergeName = "<<"
-)
-
-// maxProblems bounds the problems reported: past it a file is not a config
-// with mistakes but something else, often an alias multiplying one.
-const maxProblems = 1000
 
 // addf records a problem at path, found at node n.
-func (d *decoder) addf(n *yaml.Node, path, format string, args ...any) {
-	d.add(&FieldError{Path: path, Line: n.Line, Column: n.Column, Msg: fmt.Sprintf(format, args...)})
+func (c *checker) addf(n *yaml.Node, path, format string, args ...any) {
+	c.add(&FieldError{Path: path, Line: n.Line, Column: n.Column, Msg: fmt.Sprintf(format, args...)})
 }
 
-func (d *decoder) add(p *FieldError) {
-	if d.lines == nil {
-		d.lines = newLineMap(d.data)
-	}
-	p.Line, p.Column = d.lines.at(p.Line, p.Column)
-	if len(d.problems) == maxProblems {
-		d.problems = append(d.problems, &FieldError{Line: p.Line, Column: p.Column,
+func (c *checker) add(p *FieldError) {
+	if len(c.problems) == maxProblems {
+		c.problems = append(c.problems, &FieldError{Line: p.Line, Column: p.Column,
 			Msg: "more than " + strconv.Itoa(maxProblems) + " problems; decoding stopped here"})
-		panic(abort{&DecodeError{Problems: d.problems}})
+		panic(abort{&DecodeError{Problems: c.problems}})
 	}
-	d.problems = append(d.problems, p)
+	c.problems = append(c.problems, p)
 }
 
-// lineMap turns yaml.v3's positions into the file's lines as an editor
-// shows them, and as YAML 1.2 and lineOf count them: broken at \n, \r\n and
-// a lone \r. libyaml also breaks lines at NEL, LS and PS (YAML 1.1). Entry
-// i is where yaml's line i+1 starts: on which line, after how many
-// characters of it.
-type lineMap []struct{ line, col int }
-
-func newLineMap(data []byte) lineMap {
-	var text []rune
-	switch {
-	case bytes.HasPrefix(data, []byte{0xff, 0xfe}), bytes.HasPrefix(data, []byte{0xfe, 0xff}):
-		// UTF-16, told by its byte order mark, as libyaml tells it.
-		order := binary.ByteOrder(binary.LittleEndian)
-		if data[0] == 0xfe {
-			order = binary.BigEndian
-		}
-		units := make([]uint16, len(data)/2)
-		for i := range units {
-			units[i] = order.Uint16(data[2*i:])
-		}
-		text = utf16.Decode(units)
-	case bytes.Contains(data, []byte("\u0085")) || bytes.Contains(data, []byte("\u2028")) || bytes.Contains(data, []byte("\u2029")):
-		text = []rune(string(data))
-	default:
-		return lineMap{{1, 0}} // the two agree
-	}
-	m := lineMap{{1, 0}}
-	line, col := 1, 0
-	for i := 0; i < len(text); i++ {
-		switch r := text[i]; r {
-		case '\r', '\n':
-			if r == '\r' && i+1 < len(text) && text[i+1] == '\n' {
-				i++
-			}
-			line, col = line+1, 0
-		case '\u0085', '\u2028', '\u2029':
-			col++
-		default:
-			col++
-			continue
-		}
-		m = append(m, struct{ line, col int }{line, col})
-	}
-	return m
-}
-
-// at translates yaml's line and column.
-func (m lineMap) at(line, col int) (int, int) {
-	if len(m) == 1 || line < 1 || line > len(m) {
-		return line, col
-	}
-	return m[line-1].line, m[line-1].col + col
-}
-
-// step counts one node decoded and stops a document that alias expansion
+// step counts one node walked and stops a document that alias expansion
 // blows up ("billion laughs"), with yaml.v3's own rule: past the first
 // thousand nodes, at most a fraction of them (99% for small documents, down
 // to 10% for huge ones) may be reached through aliases.
-func (d *decoder) step(n *yaml.Node) {
-	d.count++
-	if d.aliasDepth > 0 {
-		d.aliasCount++
+func (c *checker) step(n *yaml.Node) {
+	c.count++
+	if c.aliasDepth > 0 {
+		c.aliasCount++
 	}
-	if d.aliasCount > 100 && d.count > 1000 && float64(d.aliasCount)/float64(d.count) > allowedAliasRatio(d.count) {
+	ratio := 0.99 - 0.89*min(1, max(0, float64(c.count-400_000)/3_600_000))
+	if c.aliasCount > 100 && c.count > 1000 && float64(c.aliasCount)/float64(c.count) > ratio {
 		panic(abort{fmt.Errorf("parsing config: line %d: aliases expand the document too much", n.Line)})
 	}
 }
 
-// allowedAliasRatio is yaml.v3's: 99% up to 400,000 nodes, falling linearly
-// to 10% at 4,000,000.
-func allowedAliasRatio(count int) float64 {
-	const low, high = 400_000, 4_000_000
-	switch {
-	case count <= low:
-		return 0.99
-	case count >= high:
-		return 0.10
+// alias walks the alias n's value with f, refusing an alias met again
+// inside its own expansion.
+func (c *checker) alias(n *yaml.Node, path string, f func(*yaml.Node) bool) bool {
+	if c.aliases[n] {
+		c.addf(n, path, "alias *%s is inside its own anchor's value", n.Value)
+		return false
 	}
-	return 0.99 - 0.89*float64(count-low)/float64(high-low)
+	c.aliases[n] = true
+	c.aliasDepth++
+	defer func() { c.aliasDepth--; delete(c.aliases, n) }()
+	return f(n.Alias)
 }
 
-// decode decodes n into v (addressable), whose field path is path. It
-// reports whether v got a value: as in yaml.v3, a list element or map entry
-// that did not is left out.
-func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) bool {
-	d.step(n)
-	if v.Type() == nodeType {
-		v.Set(reflect.ValueOf(n).Elem())
+// check checks that n decodes into a t at path, and reports whether it
+// does; one that does not is dropped by its caller.
+func (c *checker) check(n *yaml.Node, t reflect.Type, path string) bool {
+	c.step(n)
+	if t == nodeType {
 		return true
 	}
-	switch n.Kind {
-	case yaml.DocumentNode:
-		if len(n.Content) == 1 {
-			d.decode(n.Content[0], v, path)
-		}
-		return true
-	case yaml.AliasNode:
-		return d.alias(n, path, func(target *yaml.Node) bool { return d.decode(target, v, path) })
+	if n.Kind == yaml.AliasNode {
+		return c.alias(n, path, func(v *yaml.Node) bool { return c.check(v, t, path) })
 	}
-	// A null leaves pointers unallocated and unmarshalers uncalled, as in
-	// yaml.v3: "key: ~" resets a pointer, list or map and keeps anything
-	// else as it was.
-	null := n.ShortTag() == nullTag
-	if !null {
-		for v.Kind() == reflect.Pointer {
-			if v.IsNil() {
-				v.Set(reflect.New(v.Type().Elem()))
-			}
-			v = v.Elem()
-		}
-		if v.Type() == nodeType {
-			v.Set(reflect.ValueOf(n).Elem())
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if n.ShortTag() != nullTag && !isUnmarshaler(t) {
+		switch {
+		case n.Kind == yaml.MappingNode && (t.Kind() == reflect.Struct || t.Kind() == reflect.Map):
+			c.mapping(n, t, path, nil)
 			return true
-		}
-		if isUnmarshaler(v.Addr().Type()) {
-			return d.unmarshaler(n, v, path)
-		}
-		if v.Kind() == reflect.Interface {
-			return d.delegate(n, v, path)
-		}
-	}
-	switch n.Kind {
-	case yaml.ScalarNode:
-		if null {
-			if n.Tag != "" && !d.nullValue(n, path) {
+		case n.Kind == yaml.SequenceNode && t.Kind() == reflect.Slice:
+			for i, e := range n.Content {
+				if !c.check(e, t.Elem(), indexPath(path, i)) {
+					c.drop[e] = true
+				}
+			}
+			return true
+		case n.Kind == yaml.SequenceNode && t.Kind() == reflect.Array:
+			if len(n.Content) != t.Len() {
+				c.addf(n, path, "want a list of %d, got %d", t.Len(), len(n.Content))
 				return false
 			}
-			return setNull(v)
+			ok := true
+			for i, e := range n.Content {
+				ok = c.check(e, t.Elem(), indexPath(path, i)) && ok
+			}
+			return ok
 		}
-		return d.delegate(n, v, path)
-	case yaml.MappingNode:
-		return d.mapping(n, v, path, nil)
-	case yaml.SequenceNode:
-		return d.sequence(n, v, path)
 	}
-	panic(abort{fmt.Errorf("parsing config: line %d: a YAML node of unknown kind %d", n.Line, n.Kind)})
+	return c.leaf(n, t, path)
 }
 
 func isUnmarshaler(t reflect.Type) bool {
-	return t.Implements(unmarshalerType) || t.Implements(obsoleteType)
+	pt := reflect.PointerTo(t)
+	return pt.Implements(unmarshalerType) || pt.Implements(obsoleteType)
 }
 
-// nullValue reports whether a scalar tagged !!null explicitly has a null's
-// spelling, as yaml.v3 asks ("!!null 0" is refused, not read as null).
-func (d *decoder) nullValue(n *yaml.Node, path string) bool {
-	var probe any
-	if err := n.Decode(&probe); err != nil {
-		d.addf(n, path, "%s", errText(err))
-		return false
-	}
-	return true
-}
-
-// setNull is yaml.v3's null: the zero value for what can be nil.
-func setNull(v reflect.Value) bool {
-	switch v.Kind() {
-	case reflect.Interface, reflect.Pointer, reflect.Map, reflect.Slice:
-		v.SetZero()
-		return true
-	}
-	return false
-}
-
-// alias expands the alias n with f, refusing an alias met again inside its
-// own expansion (its anchor's value contains it).
-func (d *decoder) alias(n *yaml.Node, path string, f func(target *yaml.Node) bool) bool {
-	if d.aliases[n] {
-		d.addf(n, path, "alias *%s is inside its own anchor's value", n.Value)
-		return false
-	}
-	d.aliases[n] = true
-	d.aliasDepth++
-	ok := f(n.Alias)
-	d.aliasDepth--
-	delete(d.aliases, n)
-	return ok
-}
-
-// weigh counts the nodes below n (aliases expanded) towards the expansion
-// bound before n is handed to yaml.v3, whose own bound starts afresh with
-// each call and so would not stop a list of many aliases of a large value.
-func (d *decoder) weigh(n *yaml.Node) {
-	switch n.Kind {
-	case yaml.AliasNode:
-		if d.aliases[n] {
-			return // yaml.v3 refuses it
-		}
-		d.aliases[n] = true
-		d.aliasDepth++
-		d.step(n.Alias)
-		d.weigh(n.Alias)
-		d.aliasDepth--
-		delete(d.aliases, n)
-	case yaml.MappingNode, yaml.SequenceNode:
-		for _, c := range n.Content {
-			d.step(c)
-			d.weigh(c)
-		}
-	}
-}
-
-// unmarshaler decodes n into v, whose type has its own UnmarshalYAML. A
-// *FieldError (ValueError) it returns is placed at path; any other error
-// becomes one at path and n's line.
-func (d *decoder) unmarshaler(n *yaml.Node, v reflect.Value, path string) bool {
-	d.weigh(n)
-	err := n.Decode(v.Addr().Interface())
-	if err == nil {
-		return true
-	}
+// leaf tries n with yaml.v3 on a scratch t. An UnmarshalYAML's *FieldError
+// (ValueError) is placed at path; any other refusal becomes one at n.
+func (c *checker) leaf(n *yaml.Node, t reflect.Type, path string) bool {
+	err := n.Decode(reflect.New(t).Interface())
 	var fe *FieldError
-	if errors.As(err, &fe) {
+	switch {
+	case err == nil:
+		return true
+	case errors.As(err, &fe):
 		p := *fe
 		p.Path = path
 		if p.Line == 0 { // a node the unmarshaler made up
 			p.Line, p.Column = n.Line, n.Column
 		}
-		d.add(&p)
-		return false
+		c.add(&p)
+	case isUnmarshaler(t) || t.Kind() == reflect.Interface: // the reason is all there is
+		c.addf(n, path, "%s", errText(err))
+	default:
+		c.addf(n, path, "cannot decode %s as %s%s", describeNode(n), describeType(t), detail(err))
 	}
-	d.addf(n, path, "%s", errText(err))
 	return false
 }
 
-// delegate decodes n, a scalar or anything into an interface, with yaml.v3.
-func (d *decoder) delegate(n *yaml.Node, v reflect.Value, path string) bool {
-	d.weigh(n)
-	err := n.Decode(v.Addr().Interface())
-	switch {
-	case err == nil:
-		return true
-	case v.Kind() == reflect.Interface: // any form fits: the reason is all there is
-		d.addf(n, path, "%s", errText(err))
-	default:
-		d.addf(n, path, "cannot decode %s as %s%s", describeNode(n), describeType(v.Type()), detail(err))
+// mapping checks the mapping n against t, a struct or a map, dropping the
+// pairs that yaml.v3 would refuse or must not see. seen is nil, or, while n
+// is merged into a mapping (a merge key's value), the keys already set
+// there, as yaml.v3 keeps them: those are skipped, so that explicit keys
+// override merged ones and an earlier merge overrides a later one.
+func (c *checker) mapping(n *yaml.Node, t reflect.Type, path string, seen map[any]bool) {
+	var fields *structFields
+	if t.Kind() == reflect.Struct {
+		fields = fieldsOf(t)
+		for _, u := range fields.inlineUnmarshalers {
+			c.leaf(n, u, path)
+		}
 	}
-	return false
+	var mergeKey, mergeValue *yaml.Node
+	first := map[any]*yaml.Node{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		if isMerge(k) {
+			if mergeKey != nil {
+				c.addf(k, keyPath(path, mergeName), "duplicate key, first at line %d", mergeKey.Line)
+				c.drop[k] = true
+			} else {
+				mergeKey, mergeValue = k, v
+			}
+			continue
+		}
+		key, name, ok := c.key(k, t, path)
+		if !ok {
+			c.drop[k] = true
+			continue
+		}
+		kp := keyPath(path, name)
+		if f := first[key]; f != nil {
+			c.addf(k, kp, "duplicate key, first at line %d", f.Line)
+			c.drop[k] = true
+			continue
+		}
+		first[key] = k
+		if seen[key] {
+			continue
+		}
+		var vt reflect.Type
+		if fields == nil {
+			vt = t.Elem()
+		} else {
+			var known bool
+			if vt, known = fields.byName[name]; !known {
+				vt = fields.inlineMap
+			}
+			if vt == nil {
+				if path != "" || !strings.HasPrefix(name, "x-") { // an extension field is ignored
+					c.addf(k, kp, "unknown key%s", suggest(name, fields.names))
+				}
+				c.drop[k] = true
+				continue
+			}
+		}
+		if !c.check(v, vt, kp) {
+			c.drop[k] = true
+			continue
+		}
+		if seen != nil {
+			seen[key] = true
+		}
+	}
+	if mergeKey == nil {
+		return
+	}
+	if seen == nil { // yaml.v3 keeps the explicit keys as decoded into any
+		seen = map[any]bool{}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			var key any
+			if k := n.Content[i]; !c.drop[k] && k.Decode(&key) == nil && reflect.TypeOf(key).Comparable() {
+				seen[key] = true
+			}
+		}
+	}
+	c.merge(mergeKey, mergeValue, t, path, seen)
+}
+
+// key decodes the key k of a mapping decoded into t: its identity among the
+// mapping's keys, and its name in paths. A key that is not a non-null
+// scalar is a problem (yaml.v3 drops a null key silently; strict decoding
+// does not).
+func (c *checker) key(k *yaml.Node, t reflect.Type, path string) (key any, name string, ok bool) {
+	r := k
+	if r.Kind == yaml.AliasNode {
+		r = r.Alias
+	}
+	if r.Kind != yaml.ScalarNode {
+		c.addf(k, path, "a key must be a scalar, got %s", describeNode(r))
+		return nil, "", false
+	}
+	if r.ShortTag() == nullTag {
+		c.addf(k, keyPath(path, r.Value), "null is not a valid key")
+		return nil, "", false
+	}
+	kt := reflect.TypeFor[string]()
+	if t.Kind() == reflect.Map {
+		kt = t.Key()
+	}
+	kv := reflect.New(kt)
+	if err := r.Decode(kv.Interface()); err != nil {
+		c.addf(k, path, "cannot decode key %s as %s%s", describeNode(r), describeType(kt), detail(err))
+		return nil, "", false
+	}
+	if !kv.Elem().Comparable() {
+		c.addf(k, path, "cannot use %s as a key", describeNode(r))
+		return nil, "", false
+	}
+	return kv.Elem().Interface(), fmt.Sprint(kv.Elem().Interface()), true
+}
+
+// merge checks the value m of the merge key k: a mapping, an alias of one,
+// or a list of those, merged in order into the mapping at path.
+func (c *checker) merge(k, m *yaml.Node, t reflect.Type, path string, seen map[any]bool) {
+	one := func(n *yaml.Node) bool {
+		c.step(n)
+		r := n
+		if n.Kind == yaml.AliasNode {
+			r = n.Alias
+		}
+		if r.Kind != yaml.MappingNode {
+			c.addf(n, keyPath(path, mergeName), "can merge only a mapping or a list of mappings, got %s", describeNode(r))
+			return false
+		}
+		if n.Kind == yaml.AliasNode {
+			return c.alias(n, keyPath(path, mergeName), func(r *yaml.Node) bool { c.mapping(r, t, path, seen); return true })
+		}
+		c.mapping(r, t, path, seen)
+		return true
+	}
+	if m.Kind != yaml.SequenceNode {
+		if !one(m) {
+			c.drop[k] = true
+		}
+		return
+	}
+	for _, n := range m.Content {
+		if !one(n) {
+			c.drop[n] = true
+		}
+	}
+}
+
+// pruned returns a copy of the tree n without the dropped pairs and list
+// elements; aliases in it point into the copy.
+func (c *checker) pruned(n *yaml.Node, done map[*yaml.Node]*yaml.Node) *yaml.Node {
+	if p, ok := done[n]; ok {
+		return p
+	}
+	p := *n
+	done[n] = &p
+	width := 1
+	if n.Kind == yaml.MappingNode {
+		width = 2
+	}
+	p.Content = nil
+	for i := 0; i < len(n.Content); i += width {
+		if c.drop[n.Content[i]] {
+			continue
+		}
+		for _, e := range n.Content[i:min(i+width, len(n.Content))] {
+			p.Content = append(p.Content, c.pruned(e, done))
+		}
+	}
+	if n.Alias != nil {
+		p.Alias = c.pruned(n.Alias, done)
+	}
+	return &p
+}
+
+// suggest returns `, did you mean "name"?` for the known name nearest to
+// an unknown one, when one is near: within two edits (fewer for a short
+// name), or one a prefix of the other (of at least three letters).
+func suggest(unknown string, names []string) string {
+	best, bestDist := "", 0
+	for _, name := range names {
+		d := editDistance(unknown, name)
+		near := d <= 2 && d*3 <= max(len(unknown), len(name))
+		prefix := min(len(unknown), len(name)) >= 3 && (strings.HasPrefix(name, unknown) || strings.HasPrefix(unknown, name))
+		if (near || prefix) && (best == "" || d < bestDist || d == bestDist && name < best) {
+			best, bestDist = name, d
+		}
+	}
+	if best == "" {
+		return ""
+	}
+	return fmt.Sprintf(", did you mean %q?", best)
+}
+
+// editDistance is the optimal string alignment distance between a and b:
+// insertions, deletions, substitutions and swaps of adjacent bytes.
+func editDistance(a, b string) int {
+	prev2, prev, cur := make([]int, len(b)+1), make([]int, len(b)+1), make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				cur[j] = min(cur[j], prev2[j-2]+1)
+			}
+		}
+		prev2, prev, cur = prev, cur, prev2
+	}
+	return prev[len(b)]
 }
 
 // detail adds the reason to a refusal yaml.v3 explains by more than its
@@ -378,7 +441,7 @@ func describeType(t reflect.Type) string {
 	switch {
 	case t == durationType:
 		return "a duration (e.g. 250ms, 5s, 4m)"
-	case reflect.PointerTo(t).Implements(textUnmarshalerTyp):
+	case reflect.PointerTo(t).Implements(textType):
 		return "a " + t.String()
 	}
 	switch t.Kind() {
@@ -403,410 +466,122 @@ func describeType(t reflect.Type) string {
 		return fmt.Sprintf("a list of %d", t.Len())
 	case reflect.Map, reflect.Struct:
 		return "a mapping"
-	case reflect.Pointer:
-		return describeType(t.Elem())
 	}
 	return "a " + t.String()
 }
 
 // isMerge is yaml.v3's test for a merge key: a plain or !!merge-tagged "<<".
 func isMerge(k *yaml.Node) bool {
-	return k.Kind == yaml.ScalarNode && k.Value == mergeName && (k.Tag == "" || k.Tag == "!" || k.ShortTag() == mergeTag)
+	return k.Kind == yaml.ScalarNode && k.Value == mergeName && (k.Tag == "" || k.Tag == "!" || k.ShortTag() == "!!merge")
 }
 
 // keyPath is path extended by a mapping key: ".key", or ["key"] quoted
 // when the key is not plain, so that a path never holds a line break and
 // never reads as something else.
 func keyPath(path, key string) string {
-	if !plainKey(key) {
-		return path + "[" + strconv.Quote(key) + "]"
+	plain := key != ""
+	for _, r := range key {
+		plain = plain && (r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-')
 	}
-	if path == "" {
+	switch {
+	case !plain && key != mergeName:
+		return path + "[" + strconv.Quote(key) + "]"
+	case path == "":
 		return key
 	}
 	return path + "." + key
 }
 
-func plainKey(key string) bool {
-	if key == mergeName {
-		return true
-	}
-	for _, r := range key {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-') {
-			return false
-		}
-	}
-	return key != ""
-}
-
 func indexPath(path string, i int) string { return path + "[" + strconv.Itoa(i) + "]" }
 
-// mergeValue returns the value of n's merge key, or nil; a repeated merge
-// key is a problem, as any repeated key.
-func (d *decoder) mergeValue(n *yaml.Node, path string) *yaml.Node {
-	var first, value *yaml.Node
-	for i := 0; i+1 < len(n.Content); i += 2 {
-		if k := n.Content[i]; isMerge(k) {
-			if first != nil {
-				d.addf(k, keyPath(path, mergeName), "duplicate key, first at line %d", first.Line)
-				continue
-			}
-			first, value = k, n.Content[i+1]
-		}
-	}
-	return value
-}
-
-// mapping decodes the mapping n into v. seen is nil, or, while n is merged
-// into a mapping (a merge key's value), the keys already set there: those
-// are skipped, so that explicit keys override merged ones and an earlier
-// merge overrides a later one.
-func (d *decoder) mapping(n *yaml.Node, v reflect.Value, path string, seen map[any]bool) bool {
-	switch v.Kind() {
-	case reflect.Struct:
-		d.mappingStruct(n, v, path, seen)
-		return true
-	case reflect.Map:
-		d.mappingMap(n, v, path, seen)
-		return true
-	}
-	d.addf(n, path, "cannot decode %s as %s", describeNode(n), describeType(v.Type()))
-	return false
-}
-
-func (d *decoder) mappingStruct(n *yaml.Node, v reflect.Value, path string, seen map[any]bool) {
-	info := structInfoOf(v.Type())
-	for _, index := range info.inlineUnmarshalers {
-		d.unmarshaler(n, d.field(v, index), path)
-	}
-	merge := d.mergeValue(n, path)
-	if merge != nil && seen == nil {
-		seen = map[any]bool{}
-	}
-	first := map[string]*yaml.Node{}
-	for i := 0; i+1 < len(n.Content); i += 2 {
-		k, val := n.Content[i], n.Content[i+1]
-		d.step(k)
-		if isMerge(k) {
-			continue
-		}
-		name, ok := d.keyName(k, path)
-		if !ok {
-			continue
-		}
-		kp := keyPath(path, name)
-		if f := first[name]; f != nil {
-			d.addf(k, kp, "duplicate key, first at line %d", f.Line)
-			continue
-		}
-		first[name] = k
-		if seen != nil {
-			if seen[name] {
-				continue
-			}
-			seen[name] = true
-		}
-		if index, ok := info.fields[name]; ok {
-			d.decode(val, d.field(v, index), kp)
-		} else if info.inlineMap != nil {
-			m := d.field(v, info.inlineMap)
-			if m.IsNil() {
-				m.Set(reflect.MakeMap(m.Type()))
-			}
-			e := reflect.New(m.Type().Elem()).Elem()
-			d.decode(val, e, kp)
-			m.SetMapIndex(reflect.ValueOf(name).Convert(m.Type().Key()), e)
-		} else {
-			d.addf(k, kp, "unknown key")
-		}
-	}
-	if merge != nil {
-		d.merge(merge, v, path, seen)
-	}
-}
-
-// keyName is a struct key's name. A key that is not a non-null scalar is a
-// problem (yaml.v3 drops a null key silently; strict decoding does not).
-func (d *decoder) keyName(k *yaml.Node, path string) (string, bool) {
-	r := k
-	if r.Kind == yaml.AliasNode {
-		r = r.Alias
-	}
-	if r.Kind != yaml.ScalarNode {
-		d.addf(k, path, "a key must be a scalar, got %s", describeNode(r))
-		return "", false
-	}
-	if r.ShortTag() == nullTag {
-		d.addf(k, keyPath(path, r.Value), "null is not a valid key")
-		return "", false
-	}
-	var name string
-	if err := r.Decode(&name); err != nil {
-		d.addf(k, path, "cannot decode key %s as a string%s", describeNode(r), detail(err))
-		return "", false
-	}
-	return name, true
-}
-
-func (d *decoder) mappingMap(n *yaml.Node, v reflect.Value, path string, seen map[any]bool) {
-	merge := d.mergeValue(n, path)
-	if merge != nil && seen == nil {
-		seen = map[any]bool{}
-	}
-	isNew := v.IsNil()
-	if isNew {
-		v.Set(reflect.MakeMap(v.Type()))
-	}
-	kt, et := v.Type().Key(), v.Type().Elem()
-	first := map[any]*yaml.Node{}
-	for i := 0; i+1 < len(n.Content); i += 2 {
-		k, val := n.Content[i], n.Content[i+1]
-		d.step(k)
-		if isMerge(k) {
-			continue
-		}
-		kv, ok := d.mapKey(k, kt, path)
-		if !ok {
-			continue
-		}
-		key := kv.Interface()
-		kp := keyPath(path, fmt.Sprint(key))
-		if f := first[key]; f != nil {
-			d.addf(k, kp, "duplicate key, first at line %d", f.Line)
-			continue
-		}
-		first[key] = k
-		if seen != nil {
-			if seen[key] {
-				continue
-			}
-			seen[key] = true
-		}
-		e := reflect.New(et).Elem()
-		if d.decode(val, e, kp) || val.ShortTag() == nullTag && (isNew || !v.MapIndex(kv).IsValid()) {
-			v.SetMapIndex(kv, e)
-		}
-	}
-	if merge != nil {
-		d.merge(merge, v, path, seen)
-	}
-}
-
-// mapKey decodes a map key of type kt: a non-null scalar.
-func (d *decoder) mapKey(k *yaml.Node, kt reflect.Type, path string) (reflect.Value, bool) {
-	r := k
-	if r.Kind == yaml.AliasNode {
-		r = r.Alias
-	}
-	if r.Kind != yaml.ScalarNode {
-		d.addf(k, path, "a key must be a scalar, got %s", describeNode(r))
-		return reflect.Value{}, false
-	}
-	if r.ShortTag() == nullTag {
-		d.addf(k, keyPath(path, r.Value), "null is not a valid key")
-		return reflect.Value{}, false
-	}
-	kv := reflect.New(kt)
-	if err := r.Decode(kv.Interface()); err != nil {
-		d.addf(k, path, "cannot decode key %s as %s%s", describeNode(r), describeType(kt), detail(err))
-		return reflect.Value{}, false
-	}
-	if !kv.Elem().Comparable() {
-		d.addf(k, path, "cannot use %s as a key", describeNode(r))
-		return reflect.Value{}, false
-	}
-	return kv.Elem(), true
-}
-
-// merge merges the value m of a merge key into v: a mapping, an alias of
-// one, or a list of those, in yaml.v3's order.
-func (d *decoder) merge(m *yaml.Node, v reflect.Value, path string, seen map[any]bool) {
-	one := func(n *yaml.Node) {
-		d.step(n)
-		if n.Kind == yaml.AliasNode {
-			if n.Alias.Kind != yaml.MappingNode {
-				d.addf(n, keyPath(path, mergeName), "can merge only a mapping or a list of mappings, got %s", describeNode(n))
-				return
-			}
-			d.alias(n, keyPath(path, mergeName), func(target *yaml.Node) bool {
-				d.step(target)
-				return d.mapping(target, v, path, seen)
-			})
-			return
-		}
-		if n.Kind != yaml.MappingNode {
-			d.addf(n, keyPath(path, mergeName), "can merge only a mapping or a list of mappings, got %s", describeNode(n))
-			return
-		}
-		d.mapping(n, v, path, seen)
-	}
-	if m.Kind == yaml.SequenceNode {
-		for _, n := range m.Content {
-			one(n)
-		}
-		return
-	}
-	one(m)
-}
-
-// sequence decodes the list n into v. A slice is replaced, as in yaml.v3.
-func (d *decoder) sequence(n *yaml.Node, v reflect.Value, path string) bool {
-	switch v.Kind() {
-	case reflect.Slice:
-		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
-		j := 0
-		for i, c := range n.Content {
-			e := reflect.New(v.Type().Elem()).Elem()
-			if d.decode(c, e, indexPath(path, i)) {
-				s.Index(j).Set(e)
-				j++
-			}
-		}
-		v.Set(s.Slice(0, j))
-		return true
-	case reflect.Array:
-		if len(n.Content) != v.Len() {
-			d.addf(n, path, "want a list of %d, got %d", v.Len(), len(n.Content))
-			return false
-		}
-		for i, c := range n.Content {
-			e := reflect.New(v.Type().Elem()).Elem()
-			if d.decode(c, e, indexPath(path, i)) {
-				v.Index(i).Set(e)
-			}
-		}
-		return true
-	}
-	d.addf(n, path, "cannot decode %s as %s", describeNode(n), describeType(v.Type()))
-	return false
-}
-
-// field returns v's field at index (through inlined structs), allocating
-// nil pointers to inlined structs on the way, as yaml.v3 does.
-func (d *decoder) field(v reflect.Value, index []int) reflect.Value {
-	for _, i := range index {
-		for v.Kind() == reflect.Pointer {
-			if v.IsNil() {
-				if !v.CanSet() {
-					panic(abort{fmt.Errorf("configfile: cannot allocate the unexported embedded %s", v.Type())})
-				}
-				v.Set(reflect.New(v.Type().Elem()))
-			}
-			v = v.Elem()
-		}
-		v = v.Field(i)
-	}
-	if !v.CanSet() {
-		panic(abort{fmt.Errorf("configfile: cannot set the unexported field of type %s", v.Type())})
-	}
-	return v
-}
-
-// structInfo is how a struct type's YAML keys map to its fields, by
+// structFields is how a struct type's YAML keys map to field types, by
 // yaml.v3's rules: the yaml tag's name, else the lowercased field name; "-"
 // skips a field; ",inline" lifts an embedded or named struct's keys (or,
 // on a map[string]T, collects every other key).
-type structInfo struct {
-	fields             map[string][]int
-	inlineMap          []int
-	inlineUnmarshalers [][]int
+type structFields struct {
+	byName             map[string]reflect.Type
+	names              []string
+	inlineMap          reflect.Type // the inline map's element type, or nil
+	inlineUnmarshalers []reflect.Type
 }
 
-var structInfos sync.Map // reflect.Type → *structInfo
+var structFieldsCache sync.Map // reflect.Type → *structFields
 
-func structInfoOf(t reflect.Type) *structInfo {
-	if si, ok := structInfos.Load(t); ok {
-		return si.(*structInfo)
+func fieldsOf(t reflect.Type) *structFields {
+	if sf, ok := structFieldsCache.Load(t); ok {
+		return sf.(*structFields)
 	}
-	si, err := newStructInfo(t)
+	sf, err := newStructFields(t)
 	if err != nil {
 		panic(abort{fmt.Errorf("configfile: %w", err)})
 	}
-	structInfos.Store(t, si)
-	return si
+	structFieldsCache.Store(t, sf)
+	return sf
 }
 
-func newStructInfo(t reflect.Type) (*structInfo, error) {
-	si := &structInfo{fields: map[string][]int{}}
-	add := func(name string, index []int) error {
-		if _, dup := si.fields[name]; dup {
+func newStructFields(t reflect.Type) (*structFields, error) {
+	sf := &structFields{byName: map[string]reflect.Type{}}
+	add := func(name string, ft reflect.Type) error {
+		if _, dup := sf.byName[name]; dup {
 			return fmt.Errorf("duplicated key %q in struct %s", name, t)
 		}
-		si.fields[name] = index
+		sf.byName[name] = ft
+		sf.names = append(sf.names, name)
 		return nil
 	}
 	for i := range t.NumField() {
 		f := t.Field(i)
-		if !f.IsExported() && !f.Anonymous {
-			continue
-		}
 		tag := f.Tag.Get("yaml")
 		if tag == "" && !strings.Contains(string(f.Tag), ":") {
 			tag = string(f.Tag) // yaml.v3 reads a bare tag as the yaml tag
 		}
-		if tag == "-" {
+		if !f.IsExported() && !f.Anonymous || tag == "-" {
 			continue
 		}
 		name, flags, _ := strings.Cut(tag, ",")
 		inline := false
-		if flags != "" {
-			for flag := range strings.SplitSeq(flags, ",") {
-				switch flag {
-				case "omitempty", "flow":
-				case "inline":
-					inline = true
-				default:
-					return nil, fmt.Errorf("unsupported flag %q in tag %q of type %s", flag, tag, t)
-				}
+		for flag := range strings.SplitSeq(flags, ",") {
+			switch flag {
+			case "", "omitempty", "flow":
+			case "inline":
+				inline = true
+			default:
+				return nil, fmt.Errorf("unsupported flag %q in tag %q of type %s", flag, tag, t)
 			}
 		}
-		if !inline {
+		ft := f.Type
+		for inline && ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		switch {
+		case !inline:
 			if name == "" {
 				name = strings.ToLower(f.Name)
 			}
-			if err := add(name, []int{i}); err != nil {
+			if err := add(name, f.Type); err != nil {
 				return nil, err
 			}
-			continue
-		}
-		ft := f.Type
-		switch {
-		case ft.Kind() == reflect.Map:
-			if si.inlineMap != nil {
-				return nil, fmt.Errorf("multiple ,inline maps in struct %s", t)
+		case ft.Kind() == reflect.Map && f.Type.Kind() == reflect.Map:
+			if sf.inlineMap != nil || ft.Key().Kind() != reflect.String {
+				return nil, fmt.Errorf("one ,inline map with string keys at most in struct %s", t)
 			}
-			if ft.Key().Kind() != reflect.String {
-				return nil, fmt.Errorf("option ,inline needs a map with string keys in struct %s", t)
-			}
-			si.inlineMap = []int{i}
-			continue
-		case ft.Kind() == reflect.Pointer || ft.Kind() == reflect.Struct:
-			for ft.Kind() == reflect.Pointer {
-				ft = ft.Elem()
-			}
-			if ft.Kind() == reflect.Struct {
-				break
-			}
-			fallthrough
-		default:
+			sf.inlineMap = ft.Elem()
+		case ft.Kind() != reflect.Struct:
 			return nil, fmt.Errorf("option ,inline may only be used on a struct or map field (%s.%s)", t, f.Name)
-		}
-		if isUnmarshaler(reflect.PointerTo(ft)) {
-			si.inlineUnmarshalers = append(si.inlineUnmarshalers, []int{i})
-			continue
-		}
-		inner, err := newStructInfo(ft)
-		if err != nil {
-			return nil, err
-		}
-		for name, index := range inner.fields {
-			if err := add(name, append([]int{i}, index...)); err != nil {
+		case isUnmarshaler(ft):
+			sf.inlineUnmarshalers = append(sf.inlineUnmarshalers, ft)
+		default:
+			inner, err := newStructFields(ft)
+			if err != nil {
 				return nil, err
 			}
-		}
-		for _, index := range inner.inlineUnmarshalers {
-			si.inlineUnmarshalers = append(si.inlineUnmarshalers, append([]int{i}, index...))
+			for _, name := range inner.names {
+				if err := add(name, inner.byName[name]); err != nil {
+					return nil, err
+				}
+			}
+			sf.inlineUnmarshalers = append(sf.inlineUnmarshalers, inner.inlineUnmarshalers...)
 		}
 	}
-	return si, nil
+	return sf, nil
 }

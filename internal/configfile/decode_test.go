@@ -268,13 +268,14 @@ waits: [*w, *n]
 	// An alias lands where it is used; a problem in its value is reported
 	// there, at the line of the value.
 	wantProblems(t, "items: [&x {url: a, wat: 1}]\none: *x\n", &f,
-		"items[0].wat: unknown key (line 1)", "one.wat: unknown key (line 1)")
+		`items[0].wat: unknown key, did you mean "wait"? (line 1)`, `one.wat: unknown key, did you mean "wait"? (line 1)`)
 	// An alias inside its own anchor's value.
 	var chain struct {
 		One link `yaml:"one"`
 	}
+	// yaml.v3 stops at it; here the key holding it is left out.
 	wantProblems(t, "one: &x {name: a, next: *x}\n", &chain, "one.next.next: alias *x is inside its own anchor's value (line 1)")
-	if n := chain.One.Next; chain.One.Name != "a" || n == nil || n.Name != "a" || n.Next != nil {
+	if chain.One.Name != "a" || chain.One.Next != nil {
 		t.Errorf("decoded %+v", chain.One)
 	}
 }
@@ -303,11 +304,26 @@ func TestDecodeRefusesAliasBombs(t *testing.T) {
 		!strings.Contains(err.Error(), "aliases expand the document too much") {
 		t.Fatalf("Decode = %v, want the alias bomb refused with a line", err)
 	}
-	// Values handed to yaml.v3 whole (here into any) count towards the
-	// same bound, though yaml.v3 bounds each call by itself.
+	// A value handed to yaml.v3 whole (here into any) is bounded by
+	// yaml.v3 itself, a problem at its path.
 	var v map[string]any
-	if err := Decode([]byte(b.String()), &v); err == nil || !strings.Contains(err.Error(), "aliases expand the document too much") {
-		t.Fatalf("Decode = %v, want the alias bomb refused", err)
+	got := problems(t, b.String(), &v)
+	if len(got) != 9 || got[0] != "c: document contains excessive aliasing (line 3)" {
+		t.Fatalf("problems %q, want c to k refused", got)
+	}
+	if len(v) != 2 || v["b"] == nil {
+		t.Errorf("decoded %v, want a and b", v)
+	}
+	// Many such values, each within yaml.v3's bound, exceed it together:
+	// then yaml.v3 refuses the document, naming no line.
+	b.Reset()
+	b.WriteString("a: &a [" + strings.TrimSuffix(strings.Repeat("1, ", 300), ", ") + "]\nb: &b [*a, *a, *a]\n")
+	for i := range 400 {
+		fmt.Fprintf(&b, "k%d: *b\n", i)
+	}
+	if err := Decode([]byte(b.String()), &v); err == nil || errors.As(err, &de) ||
+		err.Error() != "parsing config: document contains excessive aliasing" {
+		t.Fatalf("Decode = %v, want the document refused", err)
 	}
 }
 
@@ -487,24 +503,26 @@ limits.max_conns: duplicate key, first at line 13 (line 14)`
 	}
 }
 
-// libyaml counts NEL, LS and PS as line breaks; a problem's line is the
-// one an editor shows.
-func TestDecodeLinesAsEditorsCountThem(t *testing.T) {
+// A problem's line is yaml.v3's: libyaml counts NEL, LS and PS as line
+// breaks (YAML 1.1), and reads UTF-16 told by its byte order mark.
+func TestDecodeLinesAsYAMLCountsThem(t *testing.T) {
 	var s sample
 	wantProblems(t, "wait: 1s\u0085bogus: 1\r\ninner: {n: \"a\u2028b\"}\rsize: [\u2029]\n", &s,
-		"bogus: unknown key (line 1)", `inner.n: cannot decode "a\u2028b" as an integer (line 2)`,
-		"size: want a byte size such as 8MiB (line 3)")
+		"bogus: unknown key (line 2)", `inner.n: cannot decode "a\u2028b" as an integer (line 3)`,
+		"size: want a byte size such as 8MiB (line 5)")
 	err := Decode([]byte("wait: 1s\u0085bogus: 1\n"), &s)
 	var fe *FieldError
-	if !errors.As(err, &fe) || fe.Line != 1 || fe.Column != 10 {
-		t.Errorf("problem at %+v, want line 1 column 10", fe)
+	if !errors.As(err, &fe) || fe.Line != 2 || fe.Column != 1 {
+		t.Errorf("problem at %+v, want line 2 column 1", fe)
 	}
-	// UTF-16, with its byte order mark.
 	utf16 := []byte{0xff, 0xfe}
 	for _, r := range "wait: 1s\u0085x: 1\ny: 2\n" {
 		utf16 = append(utf16, byte(r), byte(r>>8))
 	}
-	wantProblems(t, string(utf16), &s, "x: unknown key (line 1)", "y: unknown key (line 2)")
+	wantProblems(t, string(utf16), &s, "x: unknown key (line 2)", "y: unknown key (line 3)")
+	if got := yamlLines(utf16); got != 4 {
+		t.Errorf("yamlLines = %d, want 4", got)
+	}
 }
 
 func TestDecodeDocumentLevel(t *testing.T) {
@@ -538,5 +556,82 @@ func TestDecodeDocumentLevel(t *testing.T) {
 	}
 	if err := Decode([]byte("a: 1\n"), &badTag{}); err == nil || !strings.Contains(err.Error(), "unsupported flag") {
 		t.Errorf("bad tag: %v", err)
+	}
+}
+
+func TestDecodeIgnoresTopLevelExtensionKeys(t *testing.T) {
+	// An x- key holds anchors for merges and aliases elsewhere; only at
+	// the top is it ignored.
+	var f retryFile
+	wantProblems(t, `x-defaults: &defaults
+  max_attempts: 3
+  initial_backoff: 250ms
+x-factor: &factor 1.5
+x-unused: {anything: [goes, here]}
+retry:
+  metadata:
+    <<: *defaults
+    multiplier: *factor
+  send: *defaults
+  encode:
+    <<: *defaults
+    x-note: no
+`, &f, `retry.encode.x-note: unknown key (line 13)`)
+	want := policy{MaxAttempts: 3, InitialBackoff: Duration(250 * time.Millisecond)}
+	if f.Retry.Send != want || f.Retry.Encode != want {
+		t.Errorf("decoded %+v, want send and encode %+v", f.Retry, want)
+	}
+	if want.Multiplier = 1.5; f.Retry.Metadata != want {
+		t.Errorf("metadata = %+v, want %+v", f.Retry.Metadata, want)
+	}
+	// A mistake in an x- value shows where it lands.
+	f = retryFile{}
+	wantProblems(t, "x-d: &d {max_attempts: many, multipler: 2}\nretry: {send: {<<: *d, initial_backoff: 1s}}\n", &f,
+		`retry.send.max_attempts: cannot decode "many" as an integer (line 1)`,
+		`retry.send.multipler: unknown key, did you mean "multiplier"? (line 1)`)
+	if f.Retry.Send.InitialBackoff.D() != time.Second {
+		t.Errorf("send = %+v", f.Retry.Send)
+	}
+}
+
+func TestDecodeMergedValueStandsInForARefusedOne(t *testing.T) {
+	// The explicit value is refused and left out, so the merged one is
+	// decoded, and checked.
+	var f retryFile
+	wantProblems(t, "retry:\n  metadata: &m {max_attempts: 2, multiplier: x}\n  send: {<<: *m, max_attempts: y}\n", &f,
+		`retry.metadata.multiplier: cannot decode "x" as a number (line 2)`,
+		`retry.send.max_attempts: cannot decode "y" as an integer (line 3)`,
+		`retry.send.multiplier: cannot decode "x" as a number (line 2)`)
+	if f.Retry.Send.MaxAttempts != 2 {
+		t.Errorf("send = %+v, want the merged max_attempts", f.Retry.Send)
+	}
+}
+
+func TestSuggest(t *testing.T) {
+	names := []string{"pin_ttl", "unknown_wait", "failed_registration_wait", "max_pins", "n", "wait"}
+	for unknown, want := range map[string]string{
+		"unknwn_wait":  "unknown_wait", // a deletion
+		"uknown_wiat":  "unknown_wait", // an insertion and a swap
+		"pin_tll":      "pin_ttl",
+		"max_pin":      "max_pins",
+		"failed_regis": "failed_registration_wait", // a prefix
+		"wat":          "wait",
+		"m":            "", // too short to be near anything
+		"bogus":        "",
+		"pinttl_extra": "",
+	} {
+		got := suggest(unknown, names)
+		if want != "" {
+			want = `, did you mean "` + want + `"?`
+		}
+		if got != want {
+			t.Errorf("suggest(%q) = %q, want %q", unknown, got, want)
+		}
+	}
+	for a, b := range map[string]string{"": "abc", "ab": "ba", "kitten": "sitting", "same": "same"} {
+		want := map[string]int{"": 3, "ab": 1, "kitten": 3, "same": 0}[a]
+		if d := editDistance(a, b); d != want || editDistance(b, a) != want {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", a, b, d, want)
+		}
 	}
 }
