@@ -33,7 +33,7 @@ import (
 //
 // Every refusal counts in encgate_fleet_self_refused_total{source}. What
 // addresses cannot show (NAT, a Service in front of the gateway, a second
-// gateway chained back) the gateway's hop mark ends (gateway/loop.go).
+// gateway chained back) the gateway's hop mark ends (internal/loopguard).
 
 // selfGuard knows the gateway's own addresses and says whether an encoder
 // URL leads to one of them.

@@ -52,7 +52,7 @@ type Config struct {
 	// Fanout is how many URLs the gateway registers (default 1, at most 1024).
 	Fanout int `yaml:"fanout" reload:"restart"`
 	// SelfGuard keeps the gateway out of its own fleet and ends requests
-	// that loop back to it (fleet/selfguard.go, loop.go).
+	// that loop back to it (fleet/selfguard.go, internal/loopguard).
 	SelfGuard fleet.SelfGuardConfig `yaml:"self_guard" reload:"live"`
 	// Affinity controls req_id pinning.
 	Affinity upstream.AffinityConfig `yaml:"affinity" reload:"restart"`

@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/encgate/encgate/internal/loopguard"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
@@ -100,7 +101,7 @@ func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqI
 	return s.pool.Exchange(&upstream.Call{
 		Route: rt, ReqID: reqID, Rank: rank,
 		Method: ctx.Method(), ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(),
-		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp, Via: s.loop.via(&ctx.Request.Header),
+		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp, Via: s.loop.Via(&ctx.Request.Header),
 	})
 }
 
@@ -160,7 +161,7 @@ func (s *Server) serveHealth(ctx *fasthttp.RequestCtx) {
 // succeeded, else the highest error status.
 func (s *Server) serveBroadcast(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	answers := s.pool.Broadcast(&upstream.Call{Route: rt, Method: ctx.Method(),
-		ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(), Via: s.loop.via(&ctx.Request.Header)},
+		ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(), Via: s.loop.Via(&ctx.Request.Header)},
 		s.conf().Upstream.Timeout.D())
 	sort.SliceStable(answers, func(i, j int) bool { return answers[i].Encoder < answers[j].Encoder })
 	status := fasthttp.StatusOK
@@ -178,4 +179,29 @@ func (s *Server) serveBroadcast(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	ctx.SetStatusCode(status)
 	ctx.SetContentType("text/plain; charset=utf-8")
 	ctx.SetBody(body.Bytes())
+}
+
+// looped answers 508 and reports true when the request has looped back to
+// this gateway or passed more than self_guard.max_hops proxies; such a
+// request is never forwarded. rt is a route that forwards.
+func (s *Server) looped(ctx *fasthttp.RequestCtx, rt *sglang.Route) bool {
+	hops, own := s.loop.Read(&ctx.Request.Header)
+	max := s.conf().SelfGuard.MaxHops
+	if !own && hops <= max {
+		return false
+	}
+	reason, msg := loopguard.OwnMark, "encgate: loop detected: this request has passed through this gateway ("+
+		s.loop.Mark()+") already, so an encoder in its path leads back to it; nothing was forwarded"
+	if !own {
+		reason, msg = loopguard.MaxHops, "encgate: loop detected: this request has passed "+strconv.Itoa(hops)+
+			" proxies (its Via), more than self_guard.max_hops ("+strconv.Itoa(max)+"); nothing was forwarded"
+	}
+	s.loop.Detected(reason)
+	// Sampled: whoever reaches the listener can send such requests.
+	if ce := s.quiet.Check(zapcore.WarnLevel, "request refused: loop detected"); ce != nil {
+		ce.Write(zap.String("route", rt.Path), zap.String("reason", reason), zap.Int("hops", hops),
+			zap.Int("max_hops", max), zap.Stringer("remote", ctx.RemoteAddr()))
+	}
+	writeEnvelope(ctx, fasthttp.StatusLoopDetected, msg, nil)
+	return true
 }

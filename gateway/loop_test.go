@@ -8,10 +8,10 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 
+	"github.com/encgate/encgate/internal/loopguard"
 	"github.com/encgate/encgate/upstream"
 )
 
@@ -51,8 +51,8 @@ func requestsOn(t *testing.T, g *gw, route string) float64 {
 	return sum
 }
 
-func loops(g *gw, reason string) float64 {
-	return testutil.ToFloat64(g.loop.detected.WithLabelValues(reason))
+func loops(t *testing.T, g *gw, reason string) float64 {
+	return seriesValue(t, g, "encgate_loops_detected_total", "reason", reason)
 }
 
 // Two gateways whose static encoder is each other: neither URL is the
@@ -72,17 +72,17 @@ func TestChainedGatewaysLoopEndsWith508(t *testing.T) {
 	}
 	a := serveGateway(t, conf(pa, pb), zap.NewNop(), nil)
 	b := serveGateway(t, conf(pb, pa), zap.NewNop(), nil)
-	if a.loop.id == b.loop.id {
-		t.Fatalf("both gateways drew the instance id %s", a.loop.id)
+	if a.loop.Mark() == b.loop.Mark() {
+		t.Fatalf("both gateways drew the instance id %s", a.loop.Mark())
 	}
 
 	x := post(t, a.base+"/encode", encodeBody("chain_local_part_0"))
 	fwdA, fwdB := metricValue(t, a, "encgate_upstream_requests_total"), metricValue(t, b, "encgate_upstream_requests_total")
 	recA, recB := requestsOn(t, a, "encode"), requestsOn(t, b, "encode")
 	t.Logf("/encode to A: %d %s; A received %v and forwarded %v, B received %v and forwarded %v; loops A=%v B=%v; A accepted %v connections, B %v",
-		x.status, x.body, recA, fwdA, recB, fwdB, loops(a, loopOwnMark), loops(b, loopOwnMark),
+		x.status, x.body, recA, fwdA, recB, fwdB, loops(t, a, loopguard.OwnMark), loops(t, b, loopguard.OwnMark),
 		metricValue(t, a, "encgate_connections_accepted_total"), metricValue(t, b, "encgate_connections_accepted_total"))
-	if x.status != fasthttp.StatusLoopDetected || !strings.Contains(x.body, "loop detected") || !strings.Contains(x.body, "encgate-"+a.loop.id) {
+	if x.status != fasthttp.StatusLoopDetected || !strings.Contains(x.body, "loop detected") || !strings.Contains(x.body, a.loop.Mark()) {
 		t.Fatalf("/encode to A: %d %s, want 508 naming A's mark", x.status, x.body)
 	}
 	if fwdA+fwdB > 2 || fwdA != 1 || fwdB != 1 {
@@ -91,8 +91,8 @@ func TestChainedGatewaysLoopEndsWith508(t *testing.T) {
 	if recA != 2 || recB != 1 {
 		t.Errorf("received /encodes: A %v, B %v; want 2 (the client's and the loop's) and 1", recA, recB)
 	}
-	if loops(a, loopOwnMark) != 1 || loops(b, loopOwnMark) != 0 {
-		t.Errorf("loops detected: A %v, B %v; want 1 and 0", loops(a, loopOwnMark), loops(b, loopOwnMark))
+	if loops(t, a, loopguard.OwnMark) != 1 || loops(t, b, loopguard.OwnMark) != 0 {
+		t.Errorf("loops detected: A %v, B %v; want 1 and 0", loops(t, a, loopguard.OwnMark), loops(t, b, loopguard.OwnMark))
 	}
 	// The 508 is no fault of the peer: its breaker ignores it.
 	for _, g := range []*gw{a, b} {
@@ -167,41 +167,8 @@ func TestEveryForwardingRouteCarriesAndChecksTheHopMark(t *testing.T) {
 	if a := doWith(t, http.MethodGet, g.base+"/health", "", http.Header{"Via": {mine}}); a.status != 200 {
 		t.Errorf("/health with the gateway's own mark: %d", a.status)
 	}
-	if own, hops := loops(g, loopOwnMark), loops(g, loopMaxHops); own != 2*float64(len(routes)) || hops != float64(len(routes)) {
+	if own, hops := loops(t, g, loopguard.OwnMark), loops(t, g, loopguard.MaxHops); own != 2*float64(len(routes)) || hops != float64(len(routes)) {
 		t.Errorf("encgate_loops_detected_total own_mark=%v max_hops=%v, want %d and %d", own, hops, 2*len(routes), len(routes))
-	}
-}
-
-func TestReadVia(t *testing.T) {
-	l, err := newLoopGuard(fixedEntropy(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range []struct {
-		fields []string
-		hops   int
-		own    bool
-	}{
-		{nil, 0, false},
-		{[]string{""}, 0, false},
-		{[]string{"1.1 a"}, 1, false},
-		{[]string{"1.1 a, , 1.1 b,"}, 2, false},
-		{[]string{"1.1 a (x, y, z), HTTP/2 b"}, 2, false},
-		{[]string{"1.1 a", "1.1 b, 1.1 c"}, 3, false},
-		{[]string{"1.1 encgate-" + fixedID}, 1, true},
-		{[]string{"1.1 a,1.1\tencgate-" + fixedID + "(me)"}, 2, true},
-		{[]string{"1.1 encgate-" + fixedID + "0"}, 1, false},
-		{[]string{"1.1 x (1.1 encgate-" + fixedID + ")"}, 1, false}, // in a comment: not a received-by
-		{[]string{"encgate-" + fixedID}, 1, false},                  // no protocol: a received-by alone is not one
-	} {
-		var h fasthttp.RequestHeader
-		for _, f := range c.fields {
-			h.Add("Via", f)
-		}
-		hops, own := l.readVia(&h)
-		if hops != c.hops || own != c.own {
-			t.Errorf("Via %q: hops %d own %v, want %d %v", c.fields, hops, own, c.hops, c.own)
-		}
 	}
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/fdlimit"
 	"github.com/encgate/encgate/internal/listener"
+	"github.com/encgate/encgate/internal/loopguard"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
@@ -54,9 +55,9 @@ type Server struct {
 	ready   atomic.Bool
 	done    chan error
 
-	fleet   *fleet.Fleet   // the encoders of every source, fed to pool
-	loop    *loopGuard     // the hop mark on what the gateway forwards (loop.go)
-	recent  recentFailures // the gateway's own latest failure answers, for the status page
+	fleet   *fleet.Fleet     // the encoders of every source, fed to pool
+	loop    *loopguard.Guard // the hop mark on what the gateway forwards (internal/loopguard)
+	recent  recentFailures   // the gateway's own latest failure answers, for the status page
 	started time.Time
 }
 
@@ -88,7 +89,7 @@ type Deps struct {
 	// InterfaceAddrs lists this host's addresses, which a listener on
 	// 0.0.0.0 or :: takes; nil means net.InterfaceAddrs.
 	InterfaceAddrs func() ([]net.Addr, error)
-	// Entropy is where the instance id of the hop mark (loop.go) is drawn
+	// Entropy is where the instance id of the hop mark (internal/loopguard) is drawn
 	// from; nil means crypto/rand.
 	Entropy io.Reader
 }
@@ -150,7 +151,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
-	if s.loop, err = newLoopGuard(deps.Entropy, deps.Registry); err != nil {
+	if s.loop, err = loopguard.New(deps.Entropy, deps.Registry); err != nil {
 		pool.Close()
 		_ = s.closeStore()
 		return nil, err
@@ -284,7 +285,7 @@ func (s *Server) Start() error {
 	s.ready.Store(true)
 	s.log.Info("gateway listening", zap.String("listen", ln.Addr().String()),
 		zap.String("admin_listen", adln.Addr().String()), zap.String("bootstrap_listen", s.BootstrapAddr()),
-		zap.Int("encoders", len(cfg.Encoders)), zap.String("via", string(s.loop.entry)))
+		zap.Int("encoders", len(cfg.Encoders)), zap.String("via", string(s.loop.Entry())))
 	return nil
 }
 

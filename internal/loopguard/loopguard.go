@@ -1,21 +1,19 @@
-package gateway
+// Package loopguard is the gateway's hop mark: the Via entry on every
+// request it forwards, and the check that ends a request that looped back
+// to it (Guard).
+package loopguard
 
 import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
 	"io"
-	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-
-	"github.com/encgate/encgate/internal/sglang"
 )
 
-// The loop guard ends what the address checks (fleet/selfguard.go) cannot see: an
+// Guard ends what the address checks (fleet/selfguard.go) cannot see: an
 // encoder URL that reaches the gateway through NAT or a Service in front of
 // it, or a second gateway whose fleet leads back to this one.
 //
@@ -38,7 +36,7 @@ import (
 // count in encgate_loops_detected_total{reason}. The routes the gateway
 // answers itself (/health, /health_generate, unknown paths) forward
 // nothing and are not checked.
-type loopGuard struct {
+type Guard struct {
 	id       string // random per process, hex
 	mark     string // the received-by of this gateway's entry: "encgate-<id>"
 	entry    []byte // this gateway's entry: "1.1 encgate-<id>"
@@ -47,12 +45,12 @@ type loopGuard struct {
 
 // Reasons of encgate_loops_detected_total.
 const (
-	loopOwnMark = "own_mark"
-	loopMaxHops = "max_hops"
+	OwnMark = "own_mark"
+	MaxHops = "max_hops"
 )
 
-// newLoopGuard draws the instance id from entropy (nil: crypto/rand).
-func newLoopGuard(entropy io.Reader, reg prometheus.Registerer) (*loopGuard, error) {
+// New draws the instance id from entropy (nil: crypto/rand).
+func New(entropy io.Reader, reg prometheus.Registerer) (*Guard, error) {
 	if entropy == nil {
 		entropy = rand.Reader
 	}
@@ -61,13 +59,13 @@ func newLoopGuard(entropy io.Reader, reg prometheus.Registerer) (*loopGuard, err
 		return nil, fmt.Errorf("drawing the gateway's instance id: %w", err)
 	}
 	id := hex.EncodeToString(b[:])
-	l := &loopGuard{id: id, mark: "encgate-" + id, entry: []byte("1.1 encgate-" + id),
+	l := &Guard{id: id, mark: "encgate-" + id, entry: []byte("1.1 encgate-" + id),
 		detected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_loops_detected_total",
 			Help: "Requests answered 508 Loop Detected and not forwarded, by reason: own_mark (the request had passed this gateway already: its Via carries this gateway's entry) or max_hops (its Via lists more than self_guard.max_hops proxies).",
 		}, []string{"reason"}),
 	}
-	for _, r := range []string{loopOwnMark, loopMaxHops} {
+	for _, r := range []string{OwnMark, MaxHops} {
 		l.detected.WithLabelValues(r)
 	}
 	if reg != nil {
@@ -76,11 +74,11 @@ func newLoopGuard(entropy io.Reader, reg prometheus.Registerer) (*loopGuard, err
 	return l, nil
 }
 
-// readVia counts the entries of every Via field of h and reports whether
+// Read counts the entries of every Via field of h and reports whether
 // one is this gateway's. Entries are separated by commas outside comments
 // (parentheses, which may hold commas); an entry is "protocol received-by
 // [comment]", and this gateway's has its mark as received-by.
-func (l *loopGuard) readVia(h *fasthttp.RequestHeader) (hops int, own bool) {
+func (l *Guard) Read(h *fasthttp.RequestHeader) (hops int, own bool) {
 	for _, v := range h.PeekAll(fasthttp.HeaderVia) {
 		start, depth := 0, 0
 		for i := 0; i <= len(v); i++ {
@@ -114,7 +112,7 @@ func (l *loopGuard) readVia(h *fasthttp.RequestHeader) (hops int, own bool) {
 
 // isMine reports whether the Via entry e's received-by is this gateway's
 // mark.
-func (l *loopGuard) isMine(e []byte) bool {
+func (l *Guard) isMine(e []byte) bool {
 	// protocol, whitespace, received-by, then whitespace or the end.
 	i := 0
 	for i < len(e) && isSpace(e[i]) {
@@ -144,10 +142,10 @@ func blank(b []byte) bool {
 	return true
 }
 
-// via is the Via a request forwarded for the one in h carries: what it
+// Via is the Via a request forwarded for the one in h carries: what it
 // arrived with, then this gateway's entry. Without a Via it is the entry
 // itself (shared: the caller must not change it).
-func (l *loopGuard) via(h *fasthttp.RequestHeader) []byte {
+func (l *Guard) Via(h *fasthttp.RequestHeader) []byte {
 	in := h.PeekAll(fasthttp.HeaderVia)
 	if len(in) == 0 {
 		return l.entry
@@ -164,27 +162,12 @@ func (l *loopGuard) via(h *fasthttp.RequestHeader) []byte {
 	return append(out, l.entry...)
 }
 
-// looped answers 508 and reports true when the request has looped back to
-// this gateway or passed more than self_guard.max_hops proxies; such a
-// request is never forwarded. rt is a route that forwards.
-func (s *Server) looped(ctx *fasthttp.RequestCtx, rt *sglang.Route) bool {
-	hops, own := s.loop.readVia(&ctx.Request.Header)
-	max := s.conf().SelfGuard.MaxHops
-	if !own && hops <= max {
-		return false
-	}
-	reason, msg := loopOwnMark, "encgate: loop detected: this request has passed through this gateway ("+
-		s.loop.mark+") already, so an encoder in its path leads back to it; nothing was forwarded"
-	if !own {
-		reason, msg = loopMaxHops, "encgate: loop detected: this request has passed "+strconv.Itoa(hops)+
-			" proxies (its Via), more than self_guard.max_hops ("+strconv.Itoa(max)+"); nothing was forwarded"
-	}
-	s.loop.detected.WithLabelValues(reason).Inc()
-	// Sampled: whoever reaches the listener can send such requests.
-	if ce := s.quiet.Check(zapcore.WarnLevel, "request refused: loop detected"); ce != nil {
-		ce.Write(zap.String("route", rt.Path), zap.String("reason", reason), zap.Int("hops", hops),
-			zap.Int("max_hops", max), zap.Stringer("remote", ctx.RemoteAddr()))
-	}
-	writeEnvelope(ctx, fasthttp.StatusLoopDetected, msg, nil)
-	return true
-}
+// Mark is the received-by of this gateway's Via entry: "encgate-<id>".
+func (l *Guard) Mark() string { return l.mark }
+
+// Entry is this gateway's Via entry (shared: the caller must not change it).
+func (l *Guard) Entry() []byte { return l.entry }
+
+// Detected counts a request refused as a loop, by reason (OwnMark or
+// MaxHops).
+func (l *Guard) Detected(reason string) { l.detected.WithLabelValues(reason).Inc() }
