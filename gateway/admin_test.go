@@ -107,11 +107,11 @@ func TestAdminHealthReadyAndUpstreams(t *testing.T) {
 	}
 	dec := json.NewDecoder(strings.NewReader(a.body))
 	dec.DisallowUnknownFields()
-	var got []UpstreamState
+	var got []upstream.EncoderState
 	if err := dec.Decode(&got); err != nil {
 		t.Fatalf("decoding %s: %v", a.body, err)
 	}
-	wantRows := []UpstreamState{
+	wantRows := []upstream.EncoderState{
 		{Name: "enc-0", URL: encs[0].URL(), Source: "static", Membership: "active", Usable: true, Requests: uint64(want["enc-0"]), Pins: want["enc-0"]},
 		{Name: "enc-1", URL: encs[1].URL(), Source: "static", Membership: "active", Usable: false, Requests: uint64(want["enc-1"]), Pins: want["enc-1"]},
 	}
@@ -120,13 +120,13 @@ func TestAdminHealthReadyAndUpstreams(t *testing.T) {
 	}
 	wantRows[0].State, wantRows[1].State = "up", "disabled"
 	for i := range wantRows {
-		got[i].Breaker, got[i].Health = BreakerView{}, upstream.HealthSnapshot{} // checked below
+		got[i].Breaker, got[i].Health = upstream.BreakerView{}, upstream.HealthSnapshot{} // checked below
 		if got[i] != wantRows[i] {
 			t.Errorf("row %d = %+v, want %+v", i, got[i], wantRows[i])
 		}
 	}
 	var raw []struct {
-		Breaker BreakerView             `json:"breaker"`
+		Breaker upstream.BreakerView    `json:"breaker"`
 		Health  upstream.HealthSnapshot `json:"health"`
 	}
 	if err := json.Unmarshal([]byte(a.body), &raw); err != nil {

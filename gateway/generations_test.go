@@ -956,7 +956,7 @@ func TestMixedFleetFailedZmqEncodesReachEveryRank(t *testing.T) {
 			t.Fatalf("%s (%s): learned %+v, want takes_failed_registration %s", name, gen, l, want)
 		}
 	}
-	var rows []UpstreamState
+	var rows []upstream.EncoderState
 	if err := json.Unmarshal([]byte(do(t, http.MethodGet, g.admin+"/admin/upstreams", "").body), &rows); err != nil {
 		t.Fatal(err)
 	}

@@ -619,7 +619,7 @@ func TestLongPollLimitLeavesTheReserveToCompletingCalls(t *testing.T) {
 			t.Fatalf("%s of the encoded part: %d %s", c.path, a.status, a.body)
 		}
 	}
-	var rows []UpstreamState
+	var rows []upstream.EncoderState
 	if a := do(t, http.MethodGet, g.admin+"/admin/upstreams", ""); json.Unmarshal([]byte(a.body), &rows) != nil ||
 		len(rows) != 1 || rows[0].Inflight != held || rows[0].Polls != held {
 		t.Errorf("/admin/upstreams does not show %d long polls of %d in flight: %s", held, held, a.body)

@@ -40,13 +40,13 @@ func nextConfig(g *gw) Config {
 }
 
 // upstreamRows is GET /admin/upstreams.
-func upstreamRows(t *testing.T, g *gw) []UpstreamState {
+func upstreamRows(t *testing.T, g *gw) []upstream.EncoderState {
 	t.Helper()
 	a := do(t, http.MethodGet, g.admin+"/admin/upstreams", "")
 	if a.status != 200 {
 		t.Fatalf("/admin/upstreams: %d %s", a.status, a.body)
 	}
-	var rows []UpstreamState
+	var rows []upstream.EncoderState
 	if err := json.Unmarshal([]byte(a.body), &rows); err != nil {
 		t.Fatalf("decoding /admin/upstreams %s: %v", a.body, err)
 	}
@@ -64,7 +64,7 @@ func upstreamNames(t *testing.T, g *gw) []string {
 }
 
 // upstreamRow returns /admin/upstreams' row for name.
-func upstreamRow(t *testing.T, g *gw, name string) UpstreamState {
+func upstreamRow(t *testing.T, g *gw, name string) upstream.EncoderState {
 	t.Helper()
 	for _, r := range upstreamRows(t, g) {
 		if r.Name == name {
@@ -72,7 +72,7 @@ func upstreamRow(t *testing.T, g *gw, name string) UpstreamState {
 		}
 	}
 	t.Fatalf("/admin/upstreams has no %s", name)
-	return UpstreamState{}
+	return upstream.EncoderState{}
 }
 
 // hasSeries reports whether the metrics text has a sample of the series

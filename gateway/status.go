@@ -10,6 +10,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/encgate/encgate/internal/admin"
+	"github.com/encgate/encgate/upstream"
 )
 
 // The status page (GET / on the admin listener, behind admin.token like
@@ -38,7 +39,7 @@ type statusView struct {
 	Uptime     string
 	Listen     string
 	Ready      bool
-	Encoders   []UpstreamState
+	Encoders   []upstream.EncoderState
 	Counters   []admin.Group
 	Failures   []recentFailure
 	Reloadable string // the reloadable config, as YAML
@@ -73,7 +74,7 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 	now := s.clk.Now()
 	c := s.conf()
 	v := statusView{Now: now, Uptime: now.Sub(s.started).Round(time.Second).String(), Ready: s.ready.Load(),
-		Encoders: s.upstreamStates(), Failures: s.recent.list(), Refresh: 5}
+		Encoders: s.pool.States(), Failures: s.recent.list(), Refresh: 5}
 	if s.ln != nil {
 		v.Listen = s.ln.Addr().String()
 	}

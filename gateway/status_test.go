@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/upstream"
 )
 
 // The status page shows each encoder, an open breaker as open, the
@@ -90,7 +91,7 @@ func TestStatusPageShowsTheFleetAndIsProtected(t *testing.T) {
 		t.Errorf("the page does not show %s = %s as /metrics does (%s)", pretty, value, line)
 	}
 	// /admin/upstreams shows the trip, the ejection and when it ends.
-	var rows []UpstreamState
+	var rows []upstream.EncoderState
 	if err := json.Unmarshal([]byte(doWith(t, http.MethodGet, g.admin+"/admin/upstreams", "", auth).body), &rows); err != nil {
 		t.Fatal(err)
 	}
