@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/loopguard"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
@@ -142,7 +143,7 @@ func (s *Server) noteOwnAnswer(rt *sglang.Route, reqID string, v *upstream.Verdi
 		ce.Write(zap.String("route", rt.Path), zap.String("req_id", reqID), zap.String("encoder", v.Encoder),
 			zap.Int("status", v.Status), zap.Stringer("kind", v.Kind), zap.String("message", v.Message))
 	}
-	s.recent.add(recentFailure{At: s.clk.Now(), Route: rt.Path, ReqID: reqID, Encoder: v.Encoder,
+	s.recent.Add(admin.Failure{At: s.clk.Now(), Route: rt.Path, ReqID: reqID, Encoder: v.Encoder,
 		Status: v.Status, Kind: v.Kind.String(), Message: v.Message})
 }
 

@@ -57,7 +57,7 @@ type Server struct {
 
 	fleet   *fleet.Fleet     // the encoders of every source, fed to pool
 	loop    *loopguard.Guard // the hop mark on what the gateway forwards (internal/loopguard)
-	recent  recentFailures   // the gateway's own latest failure answers, for the status page
+	recent  admin.Recent     // the gateway's own latest failure answers, for the status page
 	started time.Time
 }
 

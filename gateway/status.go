@@ -41,7 +41,7 @@ type statusView struct {
 	Ready      bool
 	Encoders   []upstream.EncoderState
 	Counters   []admin.Group
-	Failures   []recentFailure
+	Failures   []admin.Failure
 	Reloadable string // the reloadable config, as YAML
 	Refresh    int    // seconds
 }
@@ -74,7 +74,7 @@ func (s *Server) serveStatus(w http.ResponseWriter, _ *http.Request) {
 	now := s.clk.Now()
 	c := s.conf()
 	v := statusView{Now: now, Uptime: now.Sub(s.started).Round(time.Second).String(), Ready: s.ready.Load(),
-		Encoders: s.pool.States(), Failures: s.recent.list(), Refresh: 5}
+		Encoders: s.pool.States(), Failures: s.recent.List(), Refresh: 5}
 	if s.ln != nil {
 		v.Listen = s.ln.Addr().String()
 	}

@@ -1,31 +1,32 @@
-package gateway
+package admin
 
 import (
 	"sync"
 	"time"
 )
 
-// recentFailures keeps the last answers the gateway gave itself instead of
+// Recent keeps the last answers the gateway gave itself instead of
 // an encoder's (a breaker open, no encoder usable, a timeout, a remembered
 // failure), for the status page: an operator sees what callers were told
 // without grepping logs. It is a fixed ring: a client that makes the gateway
 // answer itself at any rate costs a bounded copy per answer, and every
 // field is cut to a bounded length.
-type recentFailures struct {
+type Recent struct {
 	mu   sync.Mutex
-	ring [recentFailuresKept]recentFailure
+	ring [RecentKept]Failure
 	next int // where the next one goes
 	n    int // how many are held (at most len(ring))
 }
 
-// recentFailuresKept is how many the status page shows.
-const recentFailuresKept = 32
+// RecentKept is how many the status page shows.
+const RecentKept = 32
 
 // recentFieldBytes bounds each text field kept (req_ids and messages come
 // from callers and encoders).
 const recentFieldBytes = 256
 
-type recentFailure struct {
+// Failure is one answer the gateway gave itself.
+type Failure struct {
 	At      time.Time
 	Route   string
 	ReqID   string
@@ -42,8 +43,8 @@ func cut(s string) string {
 	return s
 }
 
-// add records one answer.
-func (r *recentFailures) add(f recentFailure) {
+// Add records one answer.
+func (r *Recent) Add(f Failure) {
 	f.ReqID, f.Message, f.Encoder = cut(f.ReqID), cut(f.Message), cut(f.Encoder)
 	r.mu.Lock()
 	r.ring[r.next] = f
@@ -54,11 +55,11 @@ func (r *recentFailures) add(f recentFailure) {
 	r.mu.Unlock()
 }
 
-// list returns the failures held, newest first.
-func (r *recentFailures) list() []recentFailure {
+// List returns the failures held, newest first.
+func (r *Recent) List() []Failure {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]recentFailure, 0, r.n)
+	out := make([]Failure, 0, r.n)
 	for i := 1; i <= r.n; i++ {
 		out = append(out, r.ring[(r.next-i+len(r.ring))%len(r.ring)])
 	}
