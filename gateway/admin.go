@@ -16,7 +16,7 @@ func (s *Server) adminMux() *http.ServeMux {
 	mux, protected := admin.NewMux(admin.Options{
 		Registry: s.reg,
 		Ready:    s.ready.Load,
-		Token:    func() string { return s.conf().Admin.token() },
+		Token:    func() string { return s.conf().Admin.Required() },
 		Realm:    "encgate admin",
 		Refused:  func(*http.Request, bearer.Outcome) { s.metrics.adminUnauthorized.Inc() },
 	})

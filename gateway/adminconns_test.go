@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/listener"
@@ -169,7 +170,7 @@ func TestAdminReadTimeoutDoesNotCutALongHandler(t *testing.T) {
 		t.Fatal(err)
 	}
 	conns.Listener = ln
-	srv := newAdminServer(cfg, h, conns, zap.NewNop())
+	srv := admin.NewServer(cfg, h, conns, zap.NewNop())
 	go func() { _ = srv.Serve(conns) }()
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), testBound)
@@ -213,13 +214,13 @@ func TestAdminReadTimeoutDoesNotCutALongHandler(t *testing.T) {
 // reload keeps them (they need a restart) while it applies a new token.
 func TestAdminBoundsAreValidatedAndNeedARestart(t *testing.T) {
 	for _, tc := range []struct {
-		mutate func(*AdminConfig)
+		mutate func(*admin.Config)
 		want   string
 	}{
-		{func(a *AdminConfig) { a.MaxConns = 0 }, "admin.max_conns: must be between 1 and 65536, got 0"},
-		{func(a *AdminConfig) { a.MaxConns = 1 << 20 }, "admin.max_conns: must be between 1 and 65536, got 1048576"},
-		{func(a *AdminConfig) { a.ReadTimeout = 0 }, "admin.read_timeout: must be > 0"},
-		{func(a *AdminConfig) { a.IdleTimeout = -1 }, "admin.idle_timeout: must be > 0"},
+		{func(a *admin.Config) { a.MaxConns = 0 }, "admin.max_conns: must be between 1 and 65536, got 0"},
+		{func(a *admin.Config) { a.MaxConns = 1 << 20 }, "admin.max_conns: must be between 1 and 65536, got 1048576"},
+		{func(a *admin.Config) { a.ReadTimeout = 0 }, "admin.read_timeout: must be > 0"},
+		{func(a *admin.Config) { a.IdleTimeout = -1 }, "admin.idle_timeout: must be > 0"},
 	} {
 		c := validConfig()
 		tc.mutate(&c.Admin)
@@ -235,7 +236,7 @@ func TestAdminBoundsAreValidatedAndNeedARestart(t *testing.T) {
 	if err := g.Reload(next); err != nil {
 		t.Fatal(err)
 	}
-	if a := g.conf().Admin; a.MaxConns != defaultAdminMaxConns || a.IdleTimeout != DefaultConfig().Admin.IdleTimeout || a.Token != next.Admin.Token {
+	if a := g.conf().Admin; a.MaxConns != admin.DefaultMaxConns || a.IdleTimeout != DefaultConfig().Admin.IdleTimeout || a.Token != next.Admin.Token {
 		t.Errorf("admin section after a reload: %+v, want the bounds kept and the token applied", a)
 	}
 }

@@ -13,7 +13,7 @@ import (
 	"github.com/encgate/encgate/discovery"
 	"github.com/encgate/encgate/fleet"
 	"github.com/encgate/encgate/idempotency"
-	"github.com/encgate/encgate/internal/bearer"
+	"github.com/encgate/encgate/internal/admin"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/sglang"
@@ -76,7 +76,7 @@ type Config struct {
 	// Shutdown controls draining on SIGINT/SIGTERM.
 	Shutdown ShutdownConfig `yaml:"shutdown" reload:"restart"`
 	// Admin protects and bounds the admin listener.
-	Admin AdminConfig `yaml:"admin"`
+	Admin admin.Config `yaml:"admin"`
 	// Log controls the zap logger.
 	Log configfile.Log `yaml:"log" reload:"live"`
 }
@@ -91,79 +91,6 @@ type ShutdownConfig struct {
 	// in this window carry Connection: close. Grace starts after it.
 	Delay configfile.Duration `yaml:"delay"`
 }
-
-// AdminConfig protects and bounds the admin listener. Only the token
-// (Token or TokenFile) changes on a reload; the bounds need a restart, as
-// the listeners' do.
-type AdminConfig struct {
-	// Token, when set, is required as "Authorization: Bearer <token>" on
-	// /admin/... and /debug/pprof/...; /healthz, /readyz and /metrics stay
-	// open. At least 16 characters of RFC 6750's token alphabet. Default
-	// empty: no token. A reload applies a new token at once. Prefer
-	// TokenFile where the config itself is not secret (a ConfigMap).
-	Token string `yaml:"token" reload:"live"`
-	// TokenFile holds the token instead (bearer.ReadFile: one line, mode
-	// 0600 or 0640, the rules of Token). Set at most one of Token and
-	// TokenFile. It is read at start and again on every reload, so that
-	// rewriting it (a rotated Kubernetes Secret) and reloading applies the
-	// new token; a file that cannot be read refuses the reload.
-	TokenFile string `yaml:"token_file" reload:"live"`
-	// MaxConns bounds open connections to the admin listener (default 64;
-	// 1 to 65536): a few scrapers, the probes and an operator need far
-	// fewer, and without a bound idle admin connections can take every
-	// descriptor the process has. One more is answered 503 and closed at
-	// once.
-	MaxConns int `yaml:"max_conns" reload:"restart"`
-	// ReadTimeout bounds reading one admin request, headers and body,
-	// counted from the connection's opening for its first request and from
-	// its first byte for later ones (default 10s). A request not read by
-	// then is cut: the connection is closed. Handlers that run long (a
-	// 30-second CPU profile) are not bound by it.
-	ReadTimeout configfile.Duration `yaml:"read_timeout" reload:"restart"`
-	// IdleTimeout closes a keep-alive admin connection idle this long
-	// (default 120s: above Prometheus's 1-minute default scrape interval,
-	// so a scraper keeps its connection between scrapes).
-	IdleTimeout configfile.Duration `yaml:"idle_timeout" reload:"restart"`
-
-	// fileToken is TokenFile's token as New or Reload last read it; no key
-	// of the file. The request path reads token(), never the file.
-	fileToken string `reload:"live"`
-}
-
-// token is the token the admin routes require, "" for none: TokenFile's
-// as read by readToken, or Token. A TokenFile never read (a config that
-// did not come through New or Reload) fails closed: its token is a NUL,
-// which net/http refuses in a header, so no request carries it.
-func (a AdminConfig) token() string {
-	switch {
-	case a.TokenFile == "":
-		return a.Token
-	case a.fileToken == "":
-		return "\x00"
-	}
-	return a.fileToken
-}
-
-// readToken reads TokenFile into the config that New or Reload puts in
-// force (nothing to read without one). Its error names the field path.
-func (a *AdminConfig) readToken(path string) error {
-	if a.TokenFile == "" {
-		a.fileToken = ""
-		return nil
-	}
-	t, err := bearer.ReadFile(a.TokenFile)
-	if err != nil {
-		return fmt.Errorf("%s.token_file: %w", path, err)
-	}
-	a.fileToken = t
-	return nil
-}
-
-// Defaults and bounds of the admin section's connection limits.
-const (
-	defaultAdminMaxConns = 64
-	maxAdminConns        = 1 << 16
-)
 
 // LimitsConfig bounds caller input and connections. Only
 // MaxInflightPerEncoder and PollShare change on a reload; the others need a
@@ -253,8 +180,8 @@ func DefaultConfig() Config {
 			MaxInflightPerEncoder: 1024,
 			PollShare:             0.75,
 		},
-		Admin: AdminConfig{
-			MaxConns:    defaultAdminMaxConns,
+		Admin: admin.Config{
+			MaxConns:    admin.DefaultMaxConns,
 			ReadTimeout: configfile.Duration(10e9),
 			IdleTimeout: configfile.Duration(120e9),
 		},
@@ -346,26 +273,6 @@ func (c Config) Validate() error {
 
 // maxConns bounds limits.max_conns (fasthttp's worker pool is sized twice it).
 const maxConns = 1 << 24
-
-// Validate checks the admin section; path is its field path. Problems never
-// quote the token.
-func (a AdminConfig) Validate(p *configfile.Problems, path string) {
-	if a.MaxConns < 1 || a.MaxConns > maxAdminConns {
-		p.Addf(path+".max_conns", "must be between 1 and %d, got %d", maxAdminConns, a.MaxConns)
-	}
-	p.Positive(path+".read_timeout", a.ReadTimeout)
-	p.Positive(path+".idle_timeout", a.IdleTimeout)
-	switch {
-	case a.Token != "" && a.TokenFile != "":
-		p.Addf(path+".token_file", "set at most one of token and token_file")
-	case a.TokenFile != "":
-		if _, err := bearer.ReadFile(a.TokenFile); err != nil {
-			p.Addf(path+".token_file", "%v", err)
-		}
-	default:
-		bearer.Check(p, path+".token", a.Token)
-	}
-}
 
 func checkAddr(p *configfile.Problems, path, addr string) {
 	if _, _, err := net.SplitHostPort(addr); err != nil {

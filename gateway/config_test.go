@@ -261,10 +261,10 @@ func TestSecretFileKeysLoad(t *testing.T) {
 		if cfg.Admin.TokenFile != file || cfg.Admin.Token != "" || cfg.Redis.PasswordFile != pwGood {
 			t.Errorf("loaded %+v / %+v", cfg.Admin, cfg.Redis)
 		}
-		if tok := cfg.Admin.token(); tok == "" || tok == token {
+		if tok := cfg.Admin.Required(); tok == "" || tok == token {
 			t.Errorf("before the file is read the token in force is %q: want one that no request carries (closed, not open)", tok)
 		}
-		if err := cfg.Admin.readToken("admin"); err != nil || cfg.Admin.token() != token {
+		if err := cfg.Admin.ReadToken("admin"); err != nil || cfg.Admin.Required() != token {
 			t.Errorf("the token in force is not the file's: %v", err)
 		}
 		if c, err := redisclient.New(cfg.Redis); err != nil {

@@ -10,11 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/testtool"
-	"go.uber.org/zap"
 )
 
 // heldEncoder answers /encode at once and holds every /send until release

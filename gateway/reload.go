@@ -26,7 +26,7 @@ func (s *Server) Reload(next Config) error {
 	restart := keepRestartOnly(reflect.ValueOf(cur).Elem(), reflect.ValueOf(&merged).Elem(), "")
 	// admin.token_file is read again even when its path is unchanged: a
 	// rewritten file (a rotated Secret) is what the reload is for.
-	if err := merged.Admin.readToken("admin"); err != nil {
+	if err := merged.Admin.ReadToken("admin"); err != nil {
 		s.metrics.reloads.WithLabelValues("refused").Inc()
 		return err
 	}

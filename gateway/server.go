@@ -104,7 +104,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if err := cfg.Admin.readToken("admin"); err != nil {
+	if err := cfg.Admin.ReadToken("admin"); err != nil {
 		return nil, err
 	}
 	clk := deps.Clock
@@ -211,34 +211,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		CloseOnShutdown: true,
 		Logger:          listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
 	}
-	s.admin = newAdminServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
+	s.admin = admin.NewServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
 	return s, nil
 }
 
-// newAdminServer is the admin listener's server: h behind the section's
-// read and idle timeouts, its connections counted by conns.
-func newAdminServer(cfg AdminConfig, h http.Handler, conns *listener.Limiter, log *zap.Logger) *http.Server {
-	return &http.Server{
-		Handler: h,
-		// ReadTimeout bounds reading the whole request (ReadHeaderTimeout,
-		// unset, takes its value): from the connection's opening for the
-		// first, from the first byte for keep-alive ones (net/http waits
-		// for it under IdleTimeout). It does not bound the handler: net/http
-		// lifts the deadline once the request is read (its background read
-		// starts without one). No WriteTimeout: pprof's profile and trace
-		// write after ?seconds=N, 30 by default.
-		ReadTimeout: cfg.ReadTimeout.D(),
-		IdleTimeout: cfg.IdleTimeout.D(),
-		ConnState:   conns.HTTPConnState,
-		// net/http logs through the standard logger unless told; its
-		// messages (TLS handshakes, panics in handlers) go to zap.
-		ErrorLog: zap.NewStdLog(log),
-	}
-}
-
-// serveClient is the encoder-facing handler. While the gateway drains, every
-// answer closes its connection, so that keep-alive clients reconnect (to
-// another replica) instead of being cut when the listener closes.
 func (s *Server) serveClient(ctx *fasthttp.RequestCtx) {
 	s.handle(ctx)
 	if !s.ready.Load() {
