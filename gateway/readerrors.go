@@ -2,9 +2,6 @@ package gateway
 
 import (
 	"errors"
-	"net"
-	"os"
-	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -29,7 +26,7 @@ func (s *Server) readConfig(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 // limits.max_header_bytes get 431, a read past its deadline 408, each
 // naming the limit; everything else goes to handleProtocolError. The
 // answer is then sent at once and the connection closed gently
-// (answerAndLinger). A request refused by the framing check (framing.go)
+// (listener.LastAnswer). A request refused by the framing check (framing.go)
 // arrives here too, as whatever error fasthttp made of the check's refusal.
 func (s *Server) handleReadError(ctx *fasthttp.RequestCtx, err error) {
 	var small *fasthttp.ErrSmallBuffer
@@ -38,31 +35,14 @@ func (s *Server) handleReadError(ctx *fasthttp.RequestCtx, err error) {
 		writeEnvelope(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge,
 			"encgate: request line and headers exceed limits.max_header_bytes ("+s.conf().Limits.MaxHeaderBytes.String()+")", nil)
 		s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
-	case isReadTimeout(err):
+	case listener.IsReadTimeout(err):
 		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time (limits.read_header_timeout "+
 			s.conf().Limits.ReadHeaderTimeout.String()+" for the headers, limits.read_timeout "+s.conf().Limits.ReadTimeout.String()+" for the body)", nil)
 		s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
 	default:
 		s.handleProtocolError(ctx, err)
 	}
-	s.answerAndLinger(ctx)
-}
-
-// answerAndLinger makes the error answer in ctx the connection's last and
-// its close gentle: fasthttp writes the answer after every answer still
-// buffered for requests pipelined before this one, then closes the
-// connection, and the close half-closes it and discards what the client
-// still sends for a moment (up to lingerTimeout and lingerBytes), as
-// net/http does after an answer it cut short (framingConn.Close). Closing
-// a socket with unread input resets the connection: a client still sending
-// an oversized body or header would then see the reset instead of the 413
-// or 431. Writing the answer here instead would put it before the buffered
-// ones, which the close would then lose.
-func (s *Server) answerAndLinger(ctx *fasthttp.RequestCtx) {
-	c := ctx.Conn()
-	ctx.SetConnectionClose()
-	_ = c.SetWriteDeadline(time.Now().Add(s.conf().Limits.WriteTimeout.D()))
-	listener.LingerOnClose(c)
+	listener.LastAnswer(ctx, s.conf().Limits.WriteTimeout.D())
 }
 
 // handleProtocolError answers requests fasthttp could not read, in the
@@ -73,16 +53,10 @@ func (s *Server) handleProtocolError(ctx *fasthttp.RequestCtx, err error) {
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		writeEnvelope(ctx, fasthttp.StatusRequestEntityTooLarge,
 			"encgate: request body exceeds limits.max_body_bytes ("+s.conf().Limits.MaxBodyBytes.String()+")", nil)
-	} else if isReadTimeout(err) {
+	} else if listener.IsReadTimeout(err) {
 		writeEnvelope(ctx, fasthttp.StatusRequestTimeout, "encgate: request not read in time", nil)
 	} else {
 		writeEnvelope(ctx, fasthttp.StatusBadRequest, "encgate: malformed HTTP request: "+listener.RequestErrorReason(ctx.Conn(), err), nil)
 	}
 	s.metrics.observe(sglang.RouteUnknown, ctx.Response.StatusCode(), 0)
-}
-
-// isReadTimeout reports whether reading a request failed on its deadline.
-func isReadTimeout(err error) bool {
-	var ne net.Error
-	return errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, os.ErrDeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout())
 }
