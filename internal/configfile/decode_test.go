@@ -520,8 +520,8 @@ func TestDecodeLinesAsYAMLCountsThem(t *testing.T) {
 		utf16 = append(utf16, byte(r), byte(r>>8))
 	}
 	wantProblems(t, string(utf16), &s, "x: unknown key (line 2)", "y: unknown key (line 3)")
-	if got := yamlLines(utf16); got != 4 {
-		t.Errorf("yamlLines = %d, want 4", got)
+	if got := YAMLLines(utf16); got != 4 {
+		t.Errorf("YAMLLines = %d, want 4", got)
 	}
 }
 

@@ -11,7 +11,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"unicode/utf16"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -126,7 +125,7 @@ func FuzzDecode(f *testing.F) {
 		var de *DecodeError
 		switch {
 		case errors.As(err, &de):
-			lines := yamlLines(data)
+			lines := YAMLLines(data)
 			for _, p := range de.Problems {
 				msg := p.Error()
 				m := problemRE.FindStringSubmatch(msg)
@@ -160,31 +159,6 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("round trip of %q via %q\n got %+v\nwant %+v", data, out, back, doc)
 		}
 	})
-}
-
-// yamlLines counts a document's lines as yaml.v3 does: broken at \n, \r\n,
-// a lone \r, NEL, LS and PS, in UTF-8 or in UTF-16 told by its byte order
-// mark.
-func yamlLines(data []byte) int {
-	text := string(data)
-	if bytes.HasPrefix(data, []byte{0xff, 0xfe}) || bytes.HasPrefix(data, []byte{0xfe, 0xff}) {
-		units := make([]uint16, len(data)/2)
-		for i := range units {
-			units[i] = uint16(data[2*i])<<8 | uint16(data[2*i+1])
-			if data[0] == 0xff {
-				units[i] = units[i]>>8 | units[i]<<8
-			}
-		}
-		text = string(utf16.Decode(units))
-	}
-	lines := 1
-	for _, r := range strings.ReplaceAll(text, "\r\n", "\n") {
-		switch r {
-		case '\n', '\r', '\u0085', '\u2028', '\u2029':
-			lines++
-		}
-	}
-	return lines
 }
 
 // likeDoc has a field of every kind the walk handles, so that checkLikeYAML

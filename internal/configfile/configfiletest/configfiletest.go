@@ -4,14 +4,12 @@
 package configfiletest
 
 import (
-	"bytes"
 	"errors"
 	"reflect"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
-	"unicode/utf16"
 
 	"github.com/encgate/encgate/internal/configfile"
 )
@@ -36,7 +34,7 @@ func CheckLoadError(t *testing.T, data []byte, err error, validate func() error)
 	var de *configfile.DecodeError
 	switch {
 	case errors.As(err, &de):
-		lines := yamlLines(data)
+		lines := configfile.YAMLLines(data)
 		for _, p := range de.Problems {
 			msg := p.Error()
 			// "line N: problem", or "field.path: problem (line N)"; the
@@ -74,31 +72,6 @@ func CheckLoadError(t *testing.T, data []byte, err error, validate func() error)
 			t.Fatalf("problem %q does not start with a field path", p)
 		}
 	}
-}
-
-// yamlLines counts a document's lines as yaml.v3 does: broken at \n, \r\n,
-// a lone \r, NEL, LS and PS, in UTF-8 or in UTF-16 told by its byte order
-// mark.
-func yamlLines(data []byte) int {
-	text := string(data)
-	if bytes.HasPrefix(data, []byte{0xff, 0xfe}) || bytes.HasPrefix(data, []byte{0xfe, 0xff}) {
-		units := make([]uint16, len(data)/2)
-		for i := range units {
-			units[i] = uint16(data[2*i])<<8 | uint16(data[2*i+1])
-			if data[0] == 0xff {
-				units[i] = units[i]>>8 | units[i]<<8
-			}
-		}
-		text = string(utf16.Decode(units))
-	}
-	lines := 1
-	for _, r := range strings.ReplaceAll(text, "\r\n", "\n") {
-		switch r {
-		case '\n', '\r', '\u0085', '\u2028', '\u2029':
-			lines++
-		}
-	}
-	return lines
 }
 
 // Normalize returns v with every empty slice and map set to nil and NaN
