@@ -43,8 +43,10 @@ import (
 	_ "golang.org/x/crypto/x509roots/fallback"
 )
 
-// version is set at build time with -ldflags "-X main.version=v1.2.3".
-var version = "dev"
+// version is set at build time with -ldflags "-X main.version=v1.2.3"
+// (the image builder sets it, "dev" included). Unset, it is the module
+// version the go command stamped from the checkout, else "dev".
+var version string
 
 const usage = `encgate — a gateway for fleets of sglang multimodal encoders
 
@@ -194,7 +196,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 // with its dirty flag and time, and the Go version and platform.
 func versionText(ldVersion string, bi *debug.BuildInfo) string {
 	v := ldVersion
-	if bi != nil && (v == "" || v == "dev") && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+	if bi != nil && v == "" && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
 		v = bi.Main.Version
 	}
 	if v == "" {

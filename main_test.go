@@ -258,11 +258,13 @@ func TestVersionText(t *testing.T) {
 	}{
 		{"ldflags version wins", "v1.2.3", vcs,
 			"encgate v1.2.3\ncommit: f4246caf115d469b2b27b3a576b93f05172e8473 (dirty) 2026-12-05T18:35:23Z\ngo: go1.26.1 linux/arm64\n"},
-		{"module version without ldflags", "dev", vcs,
+		{"module version without ldflags", "", vcs,
 			"encgate v0.0.0-20261205183523-f4246caf115d+dirty\ncommit: f4246caf115d469b2b27b3a576b93f05172e8473 (dirty) 2026-12-05T18:35:23Z\ngo: go1.26.1 linux/arm64\n"},
-		{"clean tree, no time, (devel)", "dev", clean,
+		{"ldflags dev wins over the module version (the image builder's default)", "dev", vcs,
+			"encgate dev\ncommit: f4246caf115d469b2b27b3a576b93f05172e8473 (dirty) 2026-12-05T18:35:23Z\ngo: go1.26.1 linux/arm64\n"},
+		{"clean tree, no time, (devel)", "", clean,
 			"encgate dev\ncommit: 0123456789abcdef0123456789abcdef01234567\ngo: go1.26.1 linux/amd64\n"},
-		{"no VCS", "dev", &debug.BuildInfo{GoVersion: "go1.26.1", Settings: []debug.BuildSetting{{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"}}},
+		{"no VCS", "", &debug.BuildInfo{GoVersion: "go1.26.1", Settings: []debug.BuildSetting{{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"}}},
 			"encgate dev\ncommit: unknown (built without VCS information)\ngo: go1.26.1 linux/amd64\n"},
 	}
 	for _, tc := range tests {
