@@ -28,13 +28,14 @@ const (
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := s.clk.Now()
 	rt := sglang.Lookup(sglang.StripFanout(ctx.Path()))
-	s.serve(ctx, rt)
+	s.serve(ctx, rt, start)
 	s.metrics.observe(rt, ctx.Response.StatusCode(), s.clk.Now().Sub(start))
 }
 
 // serve is the request path: route → loop check → parse → dedupe → exchange
-// → envelope.
-func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
+// → envelope. start is when handle read the clock for the request: the
+// exchange counts its deadline from it instead of reading the clock again.
+func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route, start time.Time) {
 	// Route.
 	if rt == sglang.RouteUnknown {
 		writeEnvelope(ctx, fasthttp.StatusNotFound, "encgate: no route "+string(ctx.Method())+" "+string(ctx.Path()), nil)
@@ -72,7 +73,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route) {
 	}
 	// Exchange, then the envelope.
 	resp := fasthttp.AcquireResponse()
-	res := s.exchangePlaced(ctx, rt, req.ReqID, req.Rank, req.MMItems, 0, resp)
+	res := s.exchangePlaced(ctx, rt, req.ReqID, req.Rank, req.MMItems, 0, start, resp)
 	s.answer(ctx, rt, req.ReqID, res, resp)
 	fasthttp.ReleaseResponse(resp)
 }
@@ -92,17 +93,18 @@ func (s *Server) refuse(ctx *fasthttp.RequestCtx, ferr *sglang.FieldError) {
 // exchange runs the call's attempts with the encoders (upstream.Exchange):
 // resp receives the encoder's last answer.
 func (s *Server) exchange(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, limit time.Duration, resp *fasthttp.Response) upstream.Result {
-	return s.exchangePlaced(ctx, rt, reqID, rank, nil, limit, resp)
+	return s.exchangePlaced(ctx, rt, reqID, rank, nil, limit, time.Time{}, resp)
 }
 
 // exchangePlaced is exchange with an /encode's mm_items (a view of the
 // body; nil for other routes) as its placement key: the pool places by it
-// when affinity.encode_by is content, and by req_id otherwise.
-func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, mmItems []byte, limit time.Duration, resp *fasthttp.Response) upstream.Result {
+// when affinity.encode_by is content, and by req_id otherwise. start is
+// the request's clock read (zero: the exchange reads the clock).
+func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, rank bool, mmItems []byte, limit time.Duration, start time.Time, resp *fasthttp.Response) upstream.Result {
 	return s.pool.Exchange(&upstream.Call{
 		Route: rt, ReqID: reqID, Rank: rank,
 		Method: ctx.Method(), ContentType: ctx.Request.Header.ContentType(), Body: ctx.PostBody(),
-		PlaceKey: mmItems, Limit: limit, Done: ctx.Done(), Resp: resp, Via: s.loop.Via(&ctx.Request.Header),
+		PlaceKey: mmItems, Limit: limit, Start: start, Done: ctx.Done(), Resp: resp, Via: s.loop.Via(&ctx.Request.Header),
 	})
 }
 

@@ -69,8 +69,8 @@ func NewBudget(cfg BudgetConfig, clk clock.Clock) *Budget {
 
 // advance moves the window to now and returns the current bucket. b.mu must
 // be held.
-func (b *Budget) advance() *budgetBucket {
-	sec := int64(b.clk.Now().Sub(b.start) / time.Second)
+func (b *Budget) advance(now time.Time) *budgetBucket {
+	sec := int64(now.Sub(b.start) / time.Second)
 	if sec > b.last {
 		n := int64(len(b.ring))
 		from := b.last + 1
@@ -93,8 +93,19 @@ func (b *Budget) Request() {
 	if b == nil {
 		return
 	}
+	b.RequestAt(b.clk.Now())
+}
+
+// RequestAt is Request for a call that arrived at now (read once per
+// request by the caller, so that the window costs no clock read of its
+// own; an earlier now than the window's last second counts in that
+// second).
+func (b *Budget) RequestAt(now time.Time) {
+	if b == nil {
+		return
+	}
 	b.mu.Lock()
-	bk := b.advance()
+	bk := b.advance(now)
 	bk.requests++
 	b.requests++
 	b.mu.Unlock()
@@ -108,7 +119,7 @@ func (b *Budget) Retry() bool {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	bk := b.advance()
+	bk := b.advance(b.clk.Now())
 	if b.balance() < 1-budgetEpsilon {
 		return false
 	}
@@ -125,7 +136,7 @@ func (b *Budget) Available() int {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.advance()
+	b.advance(b.clk.Now())
 	v := math.Floor(b.balance() + budgetEpsilon)
 	if v < 0 {
 		return 0

@@ -218,3 +218,28 @@ func TestBudgetConcurrent(t *testing.T) {
 		t.Errorf("granted %d > 1700", granted.Load())
 	}
 }
+
+// A request's own clock read (RequestAt) that is older than the window's
+// last second, as one read before a concurrent request advanced the
+// window, counts in that second: it never rolls the window back nor lands
+// in a bucket that has already expired.
+func TestBudgetRequestAtAnEarlierTime(t *testing.T) {
+	clk := clock.NewFake(budgetStart)
+	b := NewBudget(BudgetConfig{Ratio: 0.2, Window: retryDur(10 * time.Second)}, clk)
+	clk.Advance(5 * time.Second)
+	b.Request() // the window's last second is now 5
+	for range 99 {
+		b.RequestAt(budgetStart.Add(2 * time.Second)) // read at t = 2s, counted at 5s
+	}
+	if got := b.Available(); got != 20 {
+		t.Fatalf("Available = %d after 100 requests, want 20", got)
+	}
+	clk.Advance(9*time.Second + 999*time.Millisecond) // t = 14.999s: second 5 still counts
+	if got := b.Available(); got != 20 {
+		t.Fatalf("Available = %d at 14.999s, want 20 (the requests counted at second 5)", got)
+	}
+	clk.Advance(time.Millisecond) // t = 15s: second 5 expires
+	if got := b.Available(); got != 0 {
+		t.Fatalf("Available = %d at 15s, want 0", got)
+	}
+}

@@ -42,6 +42,10 @@ type Call struct {
 	// from the call, so nothing of the caller's headers passes unless it is
 	// carried here. Shared, not copied.
 	Via []byte
+	// Start, when set, is when the caller read the request (its one clock
+	// read): the route's deadline counts from it, and the retry budget
+	// counts the call in its second. Zero: the exchange reads the clock.
+	Start time.Time
 }
 
 // Result is how a call ended.
@@ -100,13 +104,16 @@ type strategy interface {
 // because every frame of this chain stays on the goroutine's stack while a
 // request waits on the encoder (bench/held.sh).
 func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *Result) {
-	now := p.clk.Now()
+	now := c.Start
+	if now.IsZero() {
+		now = p.clk.Now()
+	}
 	deadline := now.Add(pol.Deadline.D())
 	if c.Limit > 0 && now.Add(c.Limit).Before(deadline) {
 		deadline = now.Add(c.Limit)
 	}
 	budget := f.budgets[c.Route.Label]
-	budget.Request()
+	budget.RequestAt(now)
 	for n := 1; ; n++ {
 		t, end, ok := st.pick(n, res.Delivered)
 		if end != nil {
