@@ -97,7 +97,13 @@ go build -o "$TMP/encgate" . || die "go build failed"
 go build -o "$TMP/heldclient" ./bench/heldclient || die "go build ./bench/heldclient failed"
 
 # ---------------------------------------------------------------- configs
-GW_LIM=$((N + 1024)) GW_CONNS=$((N + 1024 > 10000 ? N + 1024 : 10000))
+# A held pull is a long poll: each encoder admits limits.poll_share (0.75 by
+# default) of limits.max_inflight_per_encoder of them, the rest being kept
+# for the calls that complete a part. The bound is raised so that N long
+# polls fit under the default share; below it the gateway answers the rest
+# 503 (the long-poll refusal) at once, as it should. The connection bound
+# (which the descriptor budget counts) stays at what N needs.
+GW_LIM=$((N + 1024)) GW_INFL=$(((N * 4 + 2) / 3 + 1024)) GW_CONNS=$((N + 1024 > 10000 ? N + 1024 : 10000))
 cat >"$TMP/gateway.yaml" <<EOF
 # written by bench/held.sh: defaults but for the log level and the limits N needs
 listen: "127.0.0.1:$P_GW"
@@ -109,7 +115,7 @@ upstream:
   max_conns_per_encoder: $GW_LIM
 limits:
   max_conns: $GW_CONNS
-  max_inflight_per_encoder: $GW_LIM
+  max_inflight_per_encoder: $GW_INFL
 log:
   level: warn
 EOF
@@ -308,7 +314,7 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own), go through the proxy; once the fake holds all $N, the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
   echo
   echo "- versions: encgate $git_v, $(go version | awk '{print $3}'), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v 2>&1 | awk 'NR == 1')"
-  echo "- encgate: defaults (affinity.unknown_wait 5s: an unpinned pull waits that long before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder and limits.max_inflight_per_encoder $GW_LIM. nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
+  echo "- encgate: defaults (affinity.unknown_wait 5s: an unpinned pull waits that long before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
   echo
   cat "$table"
 } >"$RESULTS"
