@@ -117,10 +117,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "demo":
 		return runDemo(args[1:], stdout, stderr)
 	case "version", "--version", "-v":
-		bi, ok := debug.ReadBuildInfo()
-		if !ok {
-			bi = nil
-		}
+		bi, _ := debug.ReadBuildInfo() // nil when the binary carries none
 		fmt.Fprint(stdout, versionText(version, bi))
 		return 0
 	case "help", "--help", "-help", "-h":

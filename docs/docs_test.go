@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"unicode"
 )
 
 // root is the repository root, seen from this package's directory.
@@ -61,15 +60,13 @@ var (
 	htmlAnchor = regexp.MustCompile(`<a\s+(?:id|name)="([^"]+)"`)
 	codeSpan   = regexp.MustCompile("`+[^`]*`+")
 	atxHeading = regexp.MustCompile(`^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$`)
-	mdLinkText = regexp.MustCompile(`!?\[([^\]]*)\]\([^)]*\)`)
-	htmlTag    = regexp.MustCompile(`<[^>]+>`)
 )
 
 // parse reads a Markdown file's links (outside fenced code blocks and code
 // spans) and the anchors its headings and <a id> tags define.
 func parse(text string) (links []link, anchors map[string]bool) {
 	anchors = map[string]bool{}
-	seen := map[string]int{}
+	var slugs Slugger
 	fence := ""
 	sc := bufio.NewScanner(strings.NewReader(text))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
@@ -90,14 +87,7 @@ func parse(text string) (links []link, anchors map[string]bool) {
 			anchors[m[1]] = true
 		}
 		if m := atxHeading.FindStringSubmatch(line); m != nil {
-			s := slug(m[2])
-			// GitHub: the second heading with a slug gets -1, the third -2.
-			if k := seen[s]; k > 0 {
-				anchors[fmt.Sprintf("%s-%d", s, k)] = true
-			} else {
-				anchors[s] = true
-			}
-			seen[s]++
+			anchors[slugs.Next(m[2])] = true
 		}
 		bare := codeSpan.ReplaceAllString(line, "``")
 		for _, m := range inlineLink.FindAllStringSubmatch(bare, -1) {
@@ -108,26 +98,6 @@ func parse(text string) (links []link, anchors map[string]bool) {
 		}
 	}
 	return links, anchors
-}
-
-// slug is GitHub's anchor for a heading: the rendered text (code spans,
-// links and emphasis reduced to their text) lowercased, every character
-// that is not a letter, a digit, a mark, '-', '_' or a space dropped, and
-// each space made a '-'.
-func slug(heading string) string {
-	h := mdLinkText.ReplaceAllString(heading, "$1")
-	h = htmlTag.ReplaceAllString(h, "")
-	h = strings.NewReplacer("`", "", "*", "").Replace(h)
-	var b strings.Builder
-	for _, r := range strings.ToLower(h) {
-		switch {
-		case r == ' ':
-			b.WriteByte('-')
-		case r == '-' || r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r) || unicode.IsMark(r):
-			b.WriteRune(r)
-		}
-	}
-	return b.String()
 }
 
 // brokenLinks checks the links of the files (paths relative to dir) and

@@ -21,8 +21,8 @@ func TestSlug(t *testing.T) {
 		{"The [fake](x.md) encoder", "the-fake-encoder"},
 		{"A — B", "a--b"},
 	} {
-		if got := slug(c.heading); got != c.want {
-			t.Errorf("slug(%q) = %q, want %q", c.heading, got, c.want)
+		if got := Slug(c.heading); got != c.want {
+			t.Errorf("Slug(%q) = %q, want %q", c.heading, got, c.want)
 		}
 	}
 }

@@ -1,14 +1,10 @@
 package e2e
 
 import (
-	"bufio"
 	"encoding/json"
 	"net"
-	"os"
-	"os/exec"
 	"strings"
 	"testing"
-	"time"
 )
 
 // jsonLogLines decodes every line of out as a JSON log entry; a line that
@@ -53,36 +49,16 @@ idempotency:
 redis:
   addr: "`+redisAddr+`"
 `)
-	cmd := exec.Command(encgateBin, "gateway", "--config", path)
-	cmd.SysProcAttr = dieWithTest
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	// A gateway that never says it is listening is killed, so Scan ends.
-	stuck := time.AfterFunc(30*time.Second, func() { _ = cmd.Process.Kill() })
-	defer stuck.Stop()
-	var lines []string
-	listening := false
-	for sc := bufio.NewScanner(stderr); !listening && sc.Scan(); {
-		lines = append(lines, sc.Text())
-		listening = strings.Contains(sc.Text(), `"msg":"gateway listening"`)
-	}
-	_ = cmd.Process.Signal(os.Interrupt)
-	_ = cmd.Wait()
-	if !listening {
-		t.Fatalf("the gateway did not start:\n%s", strings.Join(lines, "\n"))
-	}
+	// startGatewayProc returns once the gateway says it is listening; the
+	// lines up to then include its Redis pool's first failed dial.
+	p := startGatewayProc(t, path)
 	var dial bool
-	for _, e := range jsonLogLines(t, strings.Join(lines, "\n")) {
+	for _, e := range jsonLogLines(t, p.log()) {
 		if msg, _ := e["msg"].(string); e["logger"] == "redis" && e["level"] == "warn" && strings.Contains(msg, "failed to dial") {
 			dial = true
 		}
 	}
 	if !dial {
-		t.Errorf("no go-redis dial failure logged as a JSON entry of logger \"redis\":\n%s", strings.Join(lines, "\n"))
+		t.Errorf("no go-redis dial failure logged as a JSON entry of logger \"redis\":\n%s", p.log())
 	}
 }

@@ -215,6 +215,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	return s, nil
 }
 
+// serveClient is the encoder-facing handler. While the gateway drains, every
+// answer closes its connection, so that keep-alive clients reconnect (to
+// another replica) instead of being cut when the listener closes.
 func (s *Server) serveClient(ctx *fasthttp.RequestCtx) {
 	s.handle(ctx)
 	if !s.ready.Load() {
