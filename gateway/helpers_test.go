@@ -2,12 +2,13 @@ package gateway
 
 import (
 	"context"
+	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -235,14 +236,26 @@ func (s *scripted) received(path string) []string {
 	return append([]string(nil), s.bodies[path]...)
 }
 
-// deadAddr returns an address on which connections are refused.
+// deadAddr returns a loopback address on which connections are refused.
+// Its port stays bound until the test ends, by a socket that never listens
+// and has no SO_REUSEADDR, so that no listener started meanwhile (this
+// test's, or another package's running beside it: Go binds with
+// SO_REUSEADDR) can be given the same port and answer. CI once saw a port
+// freed by listen-and-close answered by another listener, which turned a
+// refused connect into a closed connection.
 func deadAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprintf("127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port)
 }

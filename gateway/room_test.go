@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -18,29 +17,15 @@ import (
 	"github.com/encgate/encgate/upstream"
 )
 
-// closedURLs returns n URLs of loopback ports that nothing listens on: a
-// dial is refused at once. Each port stays bound, by a socket that never
-// listens and has no SO_REUSEADDR, until the test ends, so that no listener
-// the test starts later (the live encoder, which Go binds with
-// SO_REUSEADDR) can be given the same port: CI once saw the live encoder
-// take a port just freed here, and "register" as one of the dead URLs.
+// closedURLs returns n URLs of loopback ports that nothing listens on
+// (deadAddr): a dial is refused at once, and no listener the test starts
+// later (the live encoder) can take one of their ports and "register" as
+// a dead URL.
 func closedURLs(t *testing.T, n int) []string {
 	t.Helper()
 	var out []string
 	for range n {
-		fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = syscall.Close(fd) })
-		if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-			t.Fatal(err)
-		}
-		sa, err := syscall.Getsockname(fd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, fmt.Sprintf("http://127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port))
+		out = append(out, "http://"+deadAddr(t))
 	}
 	return out
 }

@@ -22,12 +22,16 @@ import (
 
 // freePort is a loopback port nothing listens on now, for a listener whose
 // port must be known before the gateway starts (a DNS source pointing at
-// it).
+// it): unlike deadAddr's, it is free to be bound.
 func freePort(t *testing.T) int {
 	t.Helper()
-	_, p, _ := net.SplitHostPort(deadAddr(t))
-	n, _ := strconv.Atoi(p)
-	return n
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	_ = ln.Close()
+	return port
 }
 
 // dnsResolver is a resolver that asks srv (and reads /etc/hosts first, so
