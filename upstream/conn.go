@@ -156,3 +156,25 @@ func (c *probedConn) Await() {
 		a.Await()
 	}
 }
+
+// flusher and fder are what a parked exchange needs of its connection
+// (tcpconn.Conn): send a held request now, and the descriptor to watch.
+type flusher interface{ Flush() error }
+type fder interface{ Fd() (int, bool) }
+
+// Flush passes on the wrapped connection's Flush; a connection that holds
+// nothing has nothing to send.
+func (c *probedConn) Flush() error {
+	if f, ok := c.Conn.(flusher); ok {
+		return f.Flush()
+	}
+	return nil
+}
+
+// Fd passes on the wrapped connection's Fd.
+func (c *probedConn) Fd() (int, bool) {
+	if f, ok := c.Conn.(fder); ok {
+		return f.Fd()
+	}
+	return 0, false
+}

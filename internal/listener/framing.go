@@ -125,6 +125,15 @@ func (c *framingConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// Fd returns the socket's descriptor (tcpconn.Conn.Fd), for the poller
+// that watches a parked exchange's client.
+func (c *framingConn) Fd() (int, bool) {
+	if f, ok := c.Conn.(interface{ Fd() (int, bool) }); ok {
+		return f.Fd()
+	}
+	return 0, false
+}
+
 // Close closes the connection; after LingerOnClose it first half-closes
 // it and discards what the client still sends for a moment (lingerClose),
 // unchecked by the framer.
@@ -140,7 +149,7 @@ func (c *framingConn) Close() error {
 // every one; without the wrapper the close would reset a client still
 // sending).
 func LingerOnClose(c net.Conn) bool {
-	fc, ok := c.(*framingConn)
+	fc, ok := framingOf(c)
 	if ok {
 		fc.linger.Store(true)
 	}
@@ -149,10 +158,26 @@ func LingerOnClose(c net.Conn) bool {
 
 // framingViolation returns why c's framing was refused, or nil.
 func framingViolation(c net.Conn) *framingError {
-	if fc, ok := c.(*framingConn); ok {
+	if fc, ok := framingOf(c); ok {
 		return fc.err
 	}
 	return nil
+}
+
+// framingOf finds the framingConn under c, through wrappers that name
+// the connection they wrap (NetConn, as tls.Conn does): a parked
+// exchange's connection, given back with bytes to replay, is one.
+func framingOf(c net.Conn) (*framingConn, bool) {
+	for {
+		if fc, ok := c.(*framingConn); ok {
+			return fc, true
+		}
+		u, ok := c.(interface{ NetConn() net.Conn })
+		if !ok {
+			return nil, false
+		}
+		c = u.NetConn()
+	}
 }
 
 // framer states.

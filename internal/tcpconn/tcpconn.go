@@ -411,6 +411,19 @@ func (c *Conn) Write(b []byte) (int, error) {
 	return c.send(b)
 }
 
+// Flush sends the held bytes now, for a caller that waits for the answer
+// elsewhere than in Read: a parked exchange, whose socket a poller watches
+// (internal/poller). A failure, and Unsent after it, are what the Read that
+// would have sent them reports.
+func (c *Conn) Flush() error { return c.flush() }
+
+// Fd returns the socket's descriptor, for a poller's watch. It is valid
+// until Close.
+func (c *Conn) Fd() (fd int, ok bool) {
+	err := c.rc.Control(func(f uintptr) { fd = int(f) })
+	return fd, err == nil
+}
+
 // flush sends the held bytes now.
 func (c *Conn) flush() error {
 	if len(c.held) == 0 {
