@@ -77,14 +77,10 @@ func (p *Pool) Exchange(c *Call) Result {
 	} else {
 		st = &pinned{p: p, c: c}
 	}
-	var res Result
-	p.attempts(c, f, pol, st, &res)
-	if c.Route.Kind == sglang.KindEncode {
-		r, _ := st.(*ranked)
-		res.placed = r != nil && r.placed != nil && !r.lost
-		p.recordEncode(c, res)
-	}
-	return res
+	r := run{p: p, c: c, f: f, pol: pol, st: st}
+	r.begin()
+	r.next()
+	return r.end()
 }
 
 // A strategy picks the target of each attempt of one call.
@@ -98,67 +94,6 @@ type strategy interface {
 	// more reports, without side effects, whether attempt n may have a
 	// target, so that no backoff is waited for nothing.
 	more(n int) bool
-}
-
-// attempts fills res; results and targets go by pointer here and in attempt
-// because every frame of this chain stays on the goroutine's stack while a
-// request waits on the encoder (bench/held.sh).
-func (p *Pool) attempts(c *Call, f *fleet, pol *RetryPolicy, st strategy, res *Result) {
-	now := c.Start
-	if now.IsZero() {
-		now = p.clk.Now()
-	}
-	deadline := now.Add(pol.Deadline.D())
-	if c.Limit > 0 && now.Add(c.Limit).Before(deadline) {
-		deadline = now.Add(c.Limit)
-	}
-	budget := f.budgets[c.Route.Label]
-	budget.RequestAt(now)
-	for n := 1; ; n++ {
-		t, end, ok := st.pick(n, res.Delivered)
-		if end != nil {
-			res.Verdict = *end
-			return
-		}
-		if !ok {
-			return
-		}
-		p.attempt(c, &t, f, pol, deadline, &res.Verdict)
-		res.Attempts, res.enc = n, t.enc
-		res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
-		if t.failedReg > 0 && p.endFailedRegistration(c, &t, &res.Verdict) {
-			return
-		}
-		if !res.Verdict.Retry && p.unknownWhilePending(c, &res.Verdict) {
-			res.Verdict.Retry = true
-		}
-		if !res.Verdict.Retry || n >= pol.MaxAttempts || !st.more(n+1) {
-			return
-		}
-		wait := pol.Backoff(n, p.rand(), p.retryAfter(c, &res.Verdict))
-		if p.clk.Now().Add(wait).After(deadline) {
-			return
-		}
-		// A long poll whose try ran out in the gateway while the encoder
-		// held it (by design: sglang holds a pull up to 180s) goes on
-		// waiting without spending the budget: each such retry comes a
-		// whole per-try timeout after the last, so they cannot storm, and
-		// charging them would fail thousands of held pulls at once in a
-		// slow encode. The encoder's own quick 504s (a storm) still pay.
-		// Nor does a retry after a shared answer (another rank's pull of
-		// the same part): every rank of the part shares that one
-		// exchange's "not ready", and their retries share one again, so
-		// charging each would spend the budget TP times for one round trip.
-		if !heldPollExpired(&res.Verdict) && !res.Verdict.Shared && !budget.Retry() {
-			p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
-			return
-		}
-		p.m.retries.WithLabelValues(c.Route.Label, res.Verdict.Reason).Inc()
-		p.m.backoff.Observe(wait.Seconds())
-		if !p.sleep(c.Done, wait) {
-			return
-		}
-	}
 }
 
 // unknownWhilePending reports a DP encoder's 404 "Unknown req_id" to a
@@ -209,70 +144,6 @@ func (p *Pool) endFailedRegistration(c *Call, t *target, v *Verdict) bool {
 // heldPollExpired reports a long-poll try that the gateway's per-try
 // timeout ended while the encoder was holding it.
 func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause == CauseExpired }
-
-// attempt is one exchange of c with t, judged once; the breaker is told
-// the verdict's Mark when it admitted the exchange.
-func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline time.Time, v *Verdict) {
-	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(p.clk.Now()))
-	if t.failedReg > 0 {
-		timeout = min(timeout, t.failedReg)
-	}
-	if timeout <= 0 {
-		*v = noTimeVerdict(c.Route, t.name)
-		return
-	}
-	var fl *metaFlight
-	if c.Route == sglang.RouteMetadata && p.meta != nil {
-		var o Observation
-		var served bool
-		if fl, served = p.meta.join(c, t.enc.id, timeout, &o); served {
-			// Another pull's exchange: judged here as this call's own, but
-			// neither told to the breaker nor counted as a request.
-			*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
-			v.Breaker, v.Shared = MarkNone, true
-			return
-		}
-	}
-	done, admitted := t.enc.Breaker.Allow()
-	if !admitted && t.place != nil {
-		o := Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}}
-		if fl != nil {
-			p.meta.finish(fl, c.Resp, o)
-		}
-		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
-	} else {
-		c.Resp.Reset()
-		req := fasthttp.AcquireRequest()
-		req.Header.SetMethodBytes(c.Method)
-		req.SetRequestURI(c.Route.Path)
-		if len(c.ContentType) > 0 {
-			req.Header.SetContentTypeBytes(c.ContentType)
-		}
-		if len(c.Via) > 0 {
-			req.Header.SetBytesV(fasthttp.HeaderVia, c.Via)
-		}
-		req.SetBodyRaw(c.Body)
-		err := t.do(req, c.Resp, timeout)
-		fasthttp.ReleaseRequest(req)
-		o := Observation{Err: err}
-		if err == nil {
-			o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
-		}
-		if fl != nil {
-			p.meta.finish(fl, c.Resp, o)
-		}
-		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
-		if !t.name.Agent {
-			t.enc.learn(c.Route, v, o.Body, p.clk.Now())
-		}
-	}
-	if admitted {
-		done(v.Breaker)
-	} else if v.Breaker != MarkNone {
-		v.Breaker = MarkNone // sent uncounted: the state cannot move elsewhere
-	}
-	p.m.exchanged(*t, c.Route, v)
-}
 
 // retryAfter is the encoder's Retry-After on the last answer, if any.
 func (p *Pool) retryAfter(c *Call, v *Verdict) time.Duration {

@@ -32,6 +32,7 @@ type poolMetrics struct {
 	backoff         prometheus.Histogram
 
 	metaShared *prometheus.CounterVec // how
+	parked     prometheus.Gauge       // encgate_upstream_parked
 
 	// hot caches requests{encoder, route, code="200"} by hotKey, so the
 	// common answer skips the vector's label hashing. Bounded by the
@@ -128,7 +129,11 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Help: "Metadata pull attempts answered without a round trip of their own (affinity.metadata_cache), by how: inflight (took the answer of the same part's pull already at the encoder) or answered (a kept 200 of that part and encoder).",
 		}, []string{"how"}),
 	}
-	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff, m.metaShared)
+	m.parked = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "encgate_upstream_parked",
+		Help: "Attempts whose request is out and whose answer the encoder has not begun, parked: watched by the poller with no goroutine of their own (long polls: metadata pulls and registrations).",
+	})
+	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.parked)
 	m.metaShared.WithLabelValues(SharedInflight)
 	m.metaShared.WithLabelValues(SharedAnswered)
 	for _, r := range sglang.RetryLabels {

@@ -29,6 +29,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/internal/clock"
+	"github.com/encgate/encgate/internal/poller"
 )
 
 // Encoder is one encoder of the fleet, the gateway's connections to it, its
@@ -260,6 +261,29 @@ func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time
 	return t.enc.refusedByPool(do(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout))
 }
 
+// send is do up to the wait for the answer (sendRequest), for an attempt
+// that may park: the in-flight slot it takes is released by the caller
+// once the answer is read (sentRequest.receive), or here when nothing
+// could be sent.
+func (t *target) send(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) (*sentRequest, error) {
+	if err := t.enc.acquire(t.poll); err != nil {
+		return nil, err
+	}
+	if t.place != nil && !t.place() {
+		t.enc.release(t.poll)
+		return nil, errPlacedElsewhere
+	}
+	if auth := t.hc.auth.Load(); auth != nil {
+		req.Header.Set(fasthttp.HeaderAuthorization, *auth) // as do
+	}
+	sent, err := sendRequest(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout)
+	if err != nil {
+		t.enc.release(t.poll)
+		return nil, t.enc.refusedByPool(err)
+	}
+	return sent, nil
+}
+
 // inflightLimits are the bounds Encoder.acquire applies, swapped whole on
 // reload so that an exchange reads one consistent pair.
 type inflightLimits struct {
@@ -423,7 +447,9 @@ type Pool struct {
 	reloadMu sync.Mutex                     // serialises Reload
 	limits   atomic.Pointer[inflightLimits] // Settings.MaxInflight and PollShare, read by every encoder
 
-	ejections *ejectionGate // breaker.max_ejected_percent over the fleet
+	ejections *ejectionGate  // breaker.max_ejected_percent over the fleet
+	watcher   Watcher        // parks long polls (ExchangeParked); nil: never
+	poller    *poller.Poller // the watcher's, when Deps.Park started it
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -435,6 +461,11 @@ type Deps struct {
 	Registry prometheus.Registerer
 	Clock    clock.Clock    // nil means the wall clock
 	Rand     func() float64 // uniform in [0,1) for backoff jitter; nil means math/rand/v2
+	// Park starts a poller (internal/poller) that ExchangeParked parks
+	// long polls on, and that the caller may watch its own sockets with
+	// (Poller); Close stops it. Off, or where there is no poller (not
+	// Linux), ExchangeParked is Exchange.
+	Park bool
 }
 
 // NewPool builds the pool, starts its pin sweeper and every encoder's
@@ -457,6 +488,14 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		m:    newPoolMetrics(deps.Registry),
 		done: make(chan struct{}),
 	}
+	if deps.Park {
+		pl, err := poller.New()
+		if err != nil {
+			deps.Log.Warn("long polls will not park: no poller; each keeps a goroutine while its encoder holds it", zap.Error(err))
+		} else {
+			p.poller, p.watcher = pl, pl
+		}
+	}
 	p.ejections = &ejectionGate{p: p, ejected: map[*Breaker]bool{}}
 	p.meta = newMetaShare(aff.MetadataCache, clk, p.m)
 	if p.rand == nil {
@@ -468,6 +507,9 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		e, err := p.newEncoder(ec, set, tokens[i])
 		if err != nil {
 			p.stopAll(f.list)
+			if p.poller != nil {
+				_ = p.poller.Close()
+			}
 			return nil, err
 		}
 		f.list = append(f.list, e)
@@ -880,7 +922,14 @@ func (p *Pool) Close() {
 	p.cancel()
 	<-p.done
 	p.stopAll(p.Encoders())
+	if p.poller != nil {
+		_ = p.poller.Close()
+	}
 }
+
+// Poller returns the poller parked attempts wait on (Deps.Park), for the
+// caller's own sockets; nil when there is none.
+func (p *Pool) Poller() *poller.Poller { return p.poller }
 
 // Drained returns the draining encoders that no longer hold anything: no
 // live pin needs them and no exchange is in flight with them. The fleet

@@ -1,0 +1,111 @@
+package upstream
+
+import (
+	"sync"
+	"time"
+
+	"github.com/encgate/encgate/internal/poller"
+	"github.com/encgate/encgate/internal/sglang"
+)
+
+// Watcher watches a parked attempt's socket (internal/poller.Poller): fn
+// runs once, on a goroutine of its own, when the socket is readable or
+// hung up, unless Stop disarmed the watch first.
+type Watcher interface {
+	Watch(fd int, fn func(poller.Event)) (poller.Watch, error)
+	Stop(w poller.Watch) bool
+}
+
+// ExchangeParked is Exchange for a call whose answer the encoder may hold
+// for minutes (a long poll: a metadata pull, a registration). Once an
+// attempt's request is out, the attempt parks instead of waiting on this
+// goroutine: the Pool's Watcher watches its connection, a timer its try's
+// deadline, and whichever comes first resumes it on a goroutine of its own,
+// which reads the answer, judges it and goes on with the call exactly as
+// Exchange would (retries, backoff, the breaker, the verdict).
+//
+// It returns (res, true) when the call ended on this goroutine (answered
+// at once, refused, or nothing to watch: a TLS connection is awaited
+// here). It returns false when an attempt parked: finished(res) then runs
+// once the call ends, on another goroutine, and c, with all it points to
+// (Body, Resp, ...), must stay valid and untouched until then: the caller
+// copies what it borrowed. Without a Watcher it is Exchange.
+func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
+	if p.watcher == nil {
+		return p.Exchange(c), true
+	}
+	f := p.fleet.Load()
+	pr := &parkedRun{w: p.watcher, finished: finished}
+	r := &pr.run
+	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), park: pr.park}
+	if c.Route.Kind == sglang.KindEncode {
+		r.st = &ranked{p: p, c: c}
+	} else {
+		r.st = &pinned{p: p, c: c}
+	}
+	r.begin()
+	if r.next() {
+		return r.end(), true
+	}
+	return Result{}, false
+}
+
+// parkedRun is a run whose attempts park. One attempt is parked at a time;
+// gen tells its wake-ups (the watch's, the timer's) from those of an
+// earlier park of the same call, which may still run late.
+type parkedRun struct {
+	run
+	w        Watcher
+	finished func(Result)
+
+	mu    sync.Mutex
+	gen   uint64
+	woke  bool
+	watch poller.Watch
+	timer *time.Timer
+	sent  *sentRequest
+}
+
+// park watches sent's connection and its try's deadline; false when there
+// is no descriptor to watch (the attempt is then awaited where it is).
+func (pr *parkedRun) park(sent *sentRequest) bool {
+	fd, ok := sent.fd()
+	if !ok {
+		return false
+	}
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.gen++
+	gen := pr.gen
+	w, err := pr.w.Watch(fd, func(poller.Event) { pr.wake(gen) })
+	if err != nil {
+		return false
+	}
+	pr.watch, pr.sent, pr.woke = w, sent, false
+	// The socket's deadline is wall-clock time, as the socket is; the
+	// timer makes the read that resumes the attempt find it passed, so its
+	// verdict is the timeout the awaiting read would have had.
+	pr.timer = time.AfterFunc(time.Until(sent.deadline), func() { pr.wake(gen) })
+	pr.p.m.parked.Inc()
+	return true
+}
+
+// wake resumes the parked attempt, once: the first of its watch and its
+// timer to fire.
+func (pr *parkedRun) wake(gen uint64) {
+	pr.mu.Lock()
+	if gen != pr.gen || pr.woke {
+		pr.mu.Unlock()
+		return
+	}
+	pr.woke = true
+	pr.w.Stop(pr.watch)
+	pr.timer.Stop()
+	sent := pr.sent
+	pr.sent, pr.timer = nil, nil
+	pr.mu.Unlock()
+	pr.p.m.parked.Dec()
+	if pr.run.resume(sent) {
+		pr.finished(pr.run.end())
+	}
+}
