@@ -140,6 +140,13 @@ type LimitsConfig struct {
 	// encoded, answered at once), so pulls held for req_ids never encoded
 	// (a confused or restarted rank) cannot starve them.
 	PollShare float64 `yaml:"poll_share" reload:"live"`
+	// ParkLongPolls parks long polls while their encoder holds them
+	// (default true, on Linux): once a metadata pull's or registration's
+	// request is out, no goroutine, request context or buffer waits for
+	// its answer; one poller watches both connections. Off, each keeps a
+	// goroutine for as long as the encoder holds it (up to 180 s). Every
+	// verdict, deadline and limit is the same either way.
+	ParkLongPolls bool `yaml:"park_long_polls" reload:"live"`
 }
 
 // Bounds of limits.max_header_bytes: a request line must fit, and every open
@@ -179,6 +186,7 @@ func DefaultConfig() Config {
 			MaxConns:              10000,
 			MaxInflightPerEncoder: 1024,
 			PollShare:             0.75,
+			ParkLongPolls:         true,
 		},
 		Admin: admin.Config{
 			MaxConns:    admin.DefaultMaxConns,

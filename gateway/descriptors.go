@@ -48,6 +48,7 @@ func (c Config) descriptorParts() []listener.DescriptorPart {
 	}
 	return append(parts,
 		listener.DescriptorPart{What: "listeners", N: 2},
+		listener.DescriptorPart{What: "the parking poller (epoll and its wake-up eventfd)", N: 2},
 		listener.DescriptorPart{What: "the process's own files", N: listener.DescriptorMargin})
 }
 

@@ -29,7 +29,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := s.clk.Now()
 	rt := sglang.Lookup(sglang.StripFanout(ctx.Path()))
 	s.serve(ctx, rt, start)
-	s.metrics.observe(rt, ctx.Response.StatusCode(), s.clk.Now().Sub(start))
+	if !ctx.Hijacked() { // a parked exchange is counted when it is answered (park.go)
+		s.metrics.observe(rt, ctx.Response.StatusCode(), s.clk.Now().Sub(start))
+	}
 }
 
 // serve is the request path: route → loop check → parse → dedupe → exchange
@@ -71,7 +73,11 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, rt *sglang.Route, start time.Ti
 		s.serveSend(ctx, rt, req.Send)
 		return
 	}
-	// Exchange, then the envelope.
+	// Exchange, then the envelope; a long poll may park (park.go).
+	if s.parkable(ctx, rt) {
+		s.exchangeParkable(ctx, rt, &req, start)
+		return
+	}
 	resp := fasthttp.AcquireResponse()
 	res := s.exchangePlaced(ctx, rt, req.ReqID, req.Rank, req.MMItems, 0, start, resp)
 	s.answer(ctx, rt, req.ReqID, res, resp)
@@ -112,25 +118,31 @@ func (s *Server) exchangePlaced(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqI
 // content type or none, Retry-After, body bytes), or the gateway's own
 // envelope with the verdict's status and message.
 func (s *Server) answer(ctx *fasthttp.RequestCtx, rt *sglang.Route, reqID string, res upstream.Result, resp *fasthttp.Response) {
+	s.answerTo(&ctx.Response, rt, reqID, res, resp)
+}
+
+// answerTo is answer into out: a request's own response, or a parked
+// exchange's (park.go).
+func (s *Server) answerTo(out *fasthttp.Response, rt *sglang.Route, reqID string, res upstream.Result, resp *fasthttp.Response) {
 	v := &res.Verdict
 	if v.Kind == upstream.KindAnswered {
-		ctx.SetStatusCode(resp.StatusCode())
+		out.SetStatusCode(resp.StatusCode())
 		if ct := resp.Header.ContentType(); len(ct) > 0 {
-			ctx.Response.Header.SetContentTypeBytes(ct)
+			out.Header.SetContentTypeBytes(ct)
 		}
 		if ra := resp.Header.Peek(fasthttp.HeaderRetryAfter); len(ra) > 0 {
-			ctx.Response.Header.SetBytesV(fasthttp.HeaderRetryAfter, ra)
+			out.Header.SetBytesV(fasthttp.HeaderRetryAfter, ra)
 		}
-		resp.SwapBody(ctx.Response.SwapBody(resp.Body()))
+		resp.SwapBody(out.SwapBody(resp.Body()))
 	} else {
 		s.noteOwnAnswer(rt, reqID, v)
-		writeEnvelope(ctx, v.Status, v.Message, &reqID)
+		envelopeTo(out, v.Status, v.Message, &reqID)
 	}
 	if v.Encoder != "" {
-		ctx.Response.Header.Set(headerEncoder, v.Encoder)
+		out.Header.Set(headerEncoder, v.Encoder)
 	}
 	if res.Attempts > 0 {
-		ctx.Response.Header.Set(headerAttempts, strconv.Itoa(res.Attempts))
+		out.Header.Set(headerAttempts, strconv.Itoa(res.Attempts))
 	}
 }
 

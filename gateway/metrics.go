@@ -21,6 +21,7 @@ type metrics struct {
 	reloads  *prometheus.CounterVec   // result
 
 	adminUnauthorized prometheus.Counter
+	clientGone        prometheus.Counter // parked exchanges whose client hung up
 
 	hot hot
 }
@@ -44,8 +45,12 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.
 			Name: "encgate_admin_unauthorized_total",
 			Help: "Admin requests refused with 401 for a missing or wrong bearer token (admin.token).",
 		}),
+		clientGone: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "encgate_parked_clients_gone_total",
+			Help: "Parked long polls whose client closed or reset its connection before the answer: the connection was closed at once, the exchange went on to its verdict and its answer was dropped (nginx logs these as 499).",
+		}),
 	}
-	reg.MustRegister(m.requests, m.duration, m.reloads, m.adminUnauthorized,
+	reg.MustRegister(m.requests, m.duration, m.reloads, m.adminUnauthorized, m.clientGone,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_connections_open",
 			Help: "Open client connections on the encoder-facing listener (bounded by limits.max_conns).",

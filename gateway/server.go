@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"github.com/encgate/encgate/internal/fdlimit"
 	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/loopguard"
+	"github.com/encgate/encgate/internal/poller"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/tcpconn"
 	"github.com/encgate/encgate/upstream"
@@ -59,6 +61,9 @@ type Server struct {
 	loop    *loopguard.Guard // the hop mark on what the gateway forwards (internal/loopguard)
 	recent  admin.Recent     // the gateway's own latest failure answers, for the status page
 	started time.Time
+
+	poller *poller.Poller // watches parked exchanges' sockets (park.go); nil: none park
+	parked sync.WaitGroup // parked exchanges not yet answered, waited for by Shutdown
 }
 
 // Registry is where a gateway registers its metrics and what its /metrics
@@ -117,8 +122,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, err
 	}
 	listener.LogDescriptors(log, fds)
+	// Long polls park on the pool's poller (park.go).
 	pool, err := upstream.NewPool(poolSettings(cfg), cfg.Affinity, upstream.Deps{
-		Log: deps.Log.Named("upstream"), Registry: deps.Registry, Clock: clk, Rand: deps.Rand})
+		Log: deps.Log.Named("upstream"), Registry: deps.Registry, Clock: clk, Rand: deps.Rand, Park: true})
 	if err != nil {
 		return nil, err
 	}
@@ -148,7 +154,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 			listener.Sampled(deps.Log.Named("pins"), clk)) // a Redis outage fails every call: a few lines a second
 		stopPins = func() { cancel(); <-done }
 	}
-	s := &Server{kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	s := &Server{poller: pool.Poller(), kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
 	s.started = clk.Now()
 	if s.loop, err = loopguard.New(deps.Entropy, deps.Registry); err != nil {
@@ -209,7 +215,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Concurrency:     2 * cfg.Limits.MaxConns,
 		ConnState:       s.conns.ConnState,
 		CloseOnShutdown: true,
-		Logger:          listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
+		// A parked exchange's connection is taken over by a hijack and
+		// given back with ServeConn (park.go).
+		KeepHijackedConns: true,
+		Logger:            listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
 	}
 	s.admin = admin.NewServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
 	return s, nil
@@ -319,6 +328,9 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.log.Info("draining: listener closed, finishing requests in flight",
 		zap.Int64("open_connections", s.conns.Open()))
 	err := s.srv.ShutdownWithContext(ctx)
+	// Parked exchanges are not fasthttp's: their answers (which close
+	// their connections now) are waited for here.
+	err = errors.Join(err, waitGroup(ctx, &s.parked))
 	s.conns.Wait()
 	aerr := s.admin.Shutdown(ctx)
 	s.adconns.Wait()
@@ -328,4 +340,20 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	err = errors.Join(err, aerr, berr, serr)
 	s.log.Info("stopped", zap.Error(err))
 	return err
+}
+
+// waitGroup waits for wg until ctx ends (then ctx's error; the waiting
+// goroutine ends with wg).
+func waitGroup(ctx context.Context, wg *sync.WaitGroup) error {
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }

@@ -121,10 +121,13 @@ func (l *Limiter) Close() error {
 	return l.Listener.Close()
 }
 
-// ConnState counts a connection fasthttp is done with (its ConnState hook:
-// every connection Accept returned ends in StateClosed or StateHijacked).
+// ConnState counts a connection closed (its server's ConnState hook). A
+// hijacked connection is still open: the gateway's are parked exchanges'
+// (gateway/park.go), which end either given back to the server, which
+// closes them in the end, or closed by whoever holds them, which calls
+// ConnState(c, StateClosed) then.
 func (l *Limiter) ConnState(_ net.Conn, st fasthttp.ConnState) {
-	if st == fasthttp.StateClosed || st == fasthttp.StateHijacked {
+	if st == fasthttp.StateClosed {
 		l.open.Add(-1)
 	}
 }

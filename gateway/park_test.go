@@ -1,0 +1,290 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"runtime/pprof"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/configfile"
+)
+
+// Parked exchanges (park.go): a long poll the encoder holds waits with no
+// goroutine of its own, and everything it holds is freed whatever ends it.
+
+// requestGoroutines counts goroutines inside the gateway's request path
+// (a handler, an exchange's attempts): what a held request used to keep.
+func requestGoroutines(t *testing.T) int {
+	t.Helper()
+	var b strings.Builder
+	if err := pprof.Lookup("goroutine").WriteTo(&b, 2); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, g := range strings.Split(b.String(), "\n\n") {
+		if strings.Contains(g, "gateway.(*Server).serveClient") || strings.Contains(g, "upstream.(*run)") {
+			n++
+		}
+	}
+	return n
+}
+
+// encodeAt publishes id's part on the fake directly, which releases the
+// pulls it holds for it.
+func encodeAt(t *testing.T, e *fakeencoder.Encoder, id string) {
+	t.Helper()
+	if a := post(t, e.URL()+"/encode", encodeBody(id)); a.status != http.StatusOK {
+		t.Fatalf("/encode %s at the fake: %d %s", id, a.status, a.body)
+	}
+}
+
+func parkedGateway(t *testing.T, encs []*fakeencoder.Encoder, mutate func(*Config)) *gw {
+	t.Helper()
+	return startGateway(t, fakeURLs(encs), func(c *Config) {
+		c.Affinity.UnknownWait = 0 // never-pinned pulls go straight to the owner
+		if mutate != nil {
+			mutate(c)
+		}
+	})
+}
+
+func TestHeldPullsParkWithNoGoroutineOfTheirOwn(t *testing.T) {
+	const n = 100
+	encs := startFakes(t, 1, nil)
+	g := parkedGateway(t, encs, nil)
+	waiting := func() int { return encs[0].Stats().Waiting[fakeencoder.RouteMetadata] }
+	pl := g.Pool().Poller()
+	if pl == nil {
+		t.Fatal("no poller: long polls cannot park here")
+	}
+	pulls := map[string]<-chan result{}
+	for i := range n {
+		id := fmt.Sprintf("held-%d_local_part_0", i)
+		pulls[id] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(id))
+	}
+	eventually(t, "every pull held by the encoder and parked, and its client watched", func() bool {
+		return waiting() == n && metricValue(t, g, "encgate_upstream_parked") == n && pl.Armed() == 2*n
+	})
+	// Each parked pull is watched twice (its encoder's connection, its
+	// client's) and kept by no goroutine in the request path.
+	if a := pl.Armed(); a != 2*n {
+		t.Fatalf("poller has %d watches armed, want %d", a, 2*n)
+	}
+	if k := requestGoroutines(t); k != 0 {
+		t.Fatalf("%d goroutines in the request path with %d pulls parked, want 0", k, n)
+	}
+	for id := range pulls {
+		encodeAt(t, encs[0], id)
+	}
+	for id, ch := range pulls {
+		r := <-ch
+		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
+			t.Fatalf("pull %s: %v %d %s", id, r.err, r.a.status, r.a.body)
+		}
+		if r.a.header.Get(headerEncoder) != "enc-0" || r.a.header.Get(headerAttempts) != "1" {
+			t.Fatalf("pull %s headers %v", id, r.a.header)
+		}
+	}
+	eventually(t, "nothing parked or watched", func() bool {
+		return metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0 &&
+			g.Pool().Encoders()[0].Inflight() == 0
+	})
+	// Answered parked pulls are counted as answers like any other.
+	if v := metricValue(t, g, "encgate_requests_total"); v < n {
+		t.Fatalf("encgate_requests_total %v, want at least %d", v, n)
+	}
+}
+
+// rawPull writes a metadata pull for id on c.
+func rawPull(t *testing.T, c net.Conn, id string, extra string) {
+	t.Helper()
+	body := metaBody(id)
+	if _, err := fmt.Fprintf(c, "POST /scheduler_receive_meta_data HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s",
+		extra, len(body), body); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func readAnswer(t *testing.T, br *bufio.Reader) answer {
+	t.Helper()
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var b strings.Builder
+	if _, err := bufio.NewReader(resp.Body).WriteTo(&b); err != nil {
+		t.Fatal(err)
+	}
+	if resp.Close { // net/http takes "Connection: close" out of the header
+		resp.Header.Set("Connection", "close")
+	}
+	return answer{resp.StatusCode, resp.Header, b.String()}
+}
+
+func TestParkedPullWhoseClientHangsUpFreesItsConnection(t *testing.T) {
+	encs := startFakes(t, 1, nil)
+	g := parkedGateway(t, encs, nil)
+	pl := g.Pool().Poller()
+	c, err := net.Dial("tcp", g.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := "gone_local_part_0"
+	rawPull(t, c, id, "")
+	eventually(t, "the pull parked", func() bool { return metricValue(t, g, "encgate_upstream_parked") == 1 })
+	open := g.conns.Open()
+	c.Close()
+	eventually(t, "the client's connection closed and counted", func() bool {
+		return metricValue(t, g, "encgate_parked_clients_gone_total") == 1 && g.conns.Open() == open-1 && pl.Armed() == 1
+	})
+	// The exchange goes on to its verdict; then nothing is left.
+	encodeAt(t, encs[0], id)
+	eventually(t, "the exchange ended and freed its encoder's connection", func() bool {
+		return metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0 &&
+			g.Pool().Encoders()[0].Inflight() == 0
+	})
+	if v := g.Pool().Encoders()[0].Breaker.State(); v.String() != "closed" {
+		t.Fatalf("breaker %v after a client hung up", v)
+	}
+}
+
+// A parked connection goes back to serving: its pipelined request (read
+// by the server before the first one parked) and its next ones.
+func TestParkedConnectionServesItsPipelinedAndNextRequests(t *testing.T) {
+	encs := startFakes(t, 1, nil)
+	g := parkedGateway(t, encs, nil)
+	c, err := net.Dial("tcp", g.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	a, b := "pipe-a_local_part_0", "pipe-b_local_part_0"
+	// Both in one write: the server reads b's bytes with a's.
+	var both strings.Builder
+	for _, id := range []string{a, b} {
+		body := metaBody(id)
+		fmt.Fprintf(&both, "POST /scheduler_receive_meta_data HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	}
+	if _, err := c.Write([]byte(both.String())); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a parked", func() bool { return metricValue(t, g, "encgate_upstream_parked") == 1 })
+	encodeAt(t, encs[0], a)
+	if ans := readAnswer(t, br); ans.status != http.StatusOK || !strings.Contains(ans.body, a) {
+		t.Fatalf("first answer %d %s", ans.status, ans.body)
+	}
+	eventually(t, "b parked in turn", func() bool {
+		return metricValue(t, g, "encgate_upstream_parked") == 1 && encs[0].Stats().Waiting[fakeencoder.RouteMetadata] == 1
+	})
+	encodeAt(t, encs[0], b)
+	if ans := readAnswer(t, br); ans.status != http.StatusOK || !strings.Contains(ans.body, b) {
+		t.Fatalf("pipelined answer %d %s", ans.status, ans.body)
+	}
+	// And the next request, for a part already encoded, is answered on the
+	// same connection.
+	rawPull(t, c, a, "")
+	if ans := readAnswer(t, br); ans.status != http.StatusOK || !strings.Contains(ans.body, a) {
+		t.Fatalf("next answer %d %s", ans.status, ans.body)
+	}
+	// Connection: close is honoured after a parked answer.
+	rawPull(t, c, "close_local_part_0", "Connection: close\r\n")
+	eventually(t, "parked", func() bool { return metricValue(t, g, "encgate_upstream_parked") == 1 })
+	encodeAt(t, encs[0], "close_local_part_0")
+	ans := readAnswer(t, br)
+	if ans.status != http.StatusOK || ans.header.Get("Connection") != "close" {
+		t.Fatalf("answer %d %v", ans.status, ans.header)
+	}
+	if _, err := br.ReadByte(); err == nil {
+		t.Fatal("the connection stayed open after Connection: close")
+	}
+}
+
+// Faults while parked give the verdicts they give unparked: the same
+// status, message and attempts, with park_long_polls on and off.
+func TestParkedPullsUnderFaultsGiveTheUnparkedVerdict(t *testing.T) {
+	type outcome struct {
+		status   int
+		body     string
+		attempts string
+	}
+	cases := []struct {
+		name   string
+		faults fakeencoder.Faults
+		encode bool // encode the part first (through the fake)
+	}{
+		{"crash while held", fakeencoder.Faults{CrashAt: 1, CrashRoutes: []string{"/scheduler_receive_meta_data"}}, false},
+		{"hang past the per-try timeout", fakeencoder.Faults{Hang: true}, false},
+		{"truncated answer", fakeencoder.Faults{Truncate: true, TruncateRoutes: []string{"/scheduler_receive_meta_data"}}, true},
+		{"error answer", fakeencoder.Faults{FailureRate: 1, FailStatus: 500, FailRoutes: []string{"/scheduler_receive_meta_data"}}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var got [2]outcome
+			for i, park := range []bool{true, false} {
+				encs := startFakes(t, 1, nil)
+				g := parkedGateway(t, encs, func(c *Config) {
+					c.Limits.ParkLongPolls = park
+					c.Health.Disabled = true
+					c.Retry.Metadata.PerTryTimeout = configfile.Duration(300 * time.Millisecond)
+					c.Retry.Metadata.Deadline = configfile.Duration(2 * time.Second)
+					c.Retry.Metadata.MaxAttempts = 2
+				})
+				id := fmt.Sprintf("fault-%d_local_part_0", i)
+				if tc.encode {
+					encodeAt(t, encs[0], id)
+				}
+				encs[0].SetFaults(tc.faults)
+				a := post(t, g.base+"/scheduler_receive_meta_data", metaBody(id))
+				got[i] = outcome{a.status, a.body, a.header.Get(headerAttempts)}
+				eventually(t, "nothing left parked", func() bool {
+					return metricValue(t, g, "encgate_upstream_parked") == 0 && g.Pool().Poller().Armed() == 0
+				})
+			}
+			t.Logf("parked %+v", got[0])
+			if strings.ReplaceAll(got[0].body, "fault-0", "fault-1") != got[1].body || got[0].status != got[1].status || got[0].attempts != got[1].attempts {
+				t.Fatalf("parked %+v, unparked %+v", got[0], got[1])
+			}
+		})
+	}
+}
+
+func TestDrainAnswersParkedPullsAndClosesTheirConnections(t *testing.T) {
+	encs := startFakes(t, 1, nil)
+	g := parkedGateway(t, encs, nil)
+	c, err := net.Dial("tcp", g.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	id := "drain_local_part_0"
+	rawPull(t, c, id, "")
+	eventually(t, "parked", func() bool { return metricValue(t, g, "encgate_upstream_parked") == 1 })
+	stopped := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		stopped <- g.Shutdown(ctx)
+	}()
+	eventually(t, "draining", func() bool { return !g.ready.Load() })
+	select {
+	case err := <-stopped:
+		t.Fatalf("Shutdown returned (%v) with a pull parked", err)
+	default:
+	}
+	encodeAt(t, encs[0], id)
+	ans := readAnswer(t, bufio.NewReader(c))
+	if ans.status != http.StatusOK || ans.header.Get("Connection") != "close" || !strings.Contains(ans.body, id) {
+		t.Fatalf("answer while draining: %d %v %s", ans.status, ans.header, ans.body)
+	}
+	if err := <-stopped; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+}
