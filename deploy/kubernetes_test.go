@@ -800,7 +800,8 @@ func kubeGrace(ps *corev1.PodSpec) time.Duration {
 }
 
 // TestKubeKustomizationListsEveryManifest: every resource the
-// kustomization lists exists, and every file of the kit is listed.
+// kustomization lists exists, and every file of the kit is listed; a
+// directory is an add-on with a kustomization of its own.
 func TestKubeKustomizationListsEveryManifest(t *testing.T) {
 	k := kubeReadKustomization(t)
 	if len(k.Resources) == 0 {
@@ -822,6 +823,14 @@ func TestKubeKustomizationListsEveryManifest(t *testing.T) {
 	}
 	for _, e := range entries {
 		if e.Name() == "kustomization.yaml" {
+			continue
+		}
+		if e.IsDir() {
+			// An add-on with a kustomization of its own
+			// (prometheus-operator: kubernetes_operator_test.go).
+			if _, err := os.Stat(filepath.Join(kubeDir, e.Name(), "kustomization.yaml")); err != nil {
+				t.Errorf("%s/%s is a directory without a kustomization.yaml", kubeDir, e.Name())
+			}
 			continue
 		}
 		if !listed[e.Name()] {
