@@ -1297,6 +1297,48 @@ func TestKubePodDisruptionBudgetsSayWhatUnhealthyPodsGet(t *testing.T) {
 	}
 }
 
+// TestKubeReplicasPreferTwoNodes: every workload of two replicas or more
+// (the gateway's Deployment, Redis's StatefulSet) has a pod anti-affinity
+// term by node that selects its own pods, so that the scheduler puts the
+// replicas on different nodes where it can (kube-linter's
+// no-anti-affinity); preferred, not required, so that a cluster of fewer
+// nodes, or a rolling update's surge pod, still gets scheduled. A topology
+// spread, where there is one, selects the workload's own pods too.
+func TestKubeReplicasPreferTwoNodes(t *testing.T) {
+	kit := kubeLoad(t)
+	checked := 0
+	for _, w := range kit.workloads {
+		if w.replicas == nil || *w.replicas < 2 {
+			continue
+		}
+		checked++
+		antiAffinity := false
+		if a := w.pod.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+			for _, p := range a.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution {
+				term := p.PodAffinityTerm
+				if term.TopologyKey == corev1.LabelHostname && len(term.Namespaces) == 0 && term.NamespaceSelector == nil &&
+					kubeSelects(t, term.LabelSelector, w.pod.Labels) {
+					antiAffinity = true
+				}
+			}
+			if len(a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) > 0 {
+				t.Errorf("%s: a required pod anti-affinity leaves a replica (or a rolling update's surge pod) unscheduled on a cluster of too few nodes; prefer it", w)
+			}
+		}
+		if !antiAffinity {
+			t.Errorf("%s: no preferred pod anti-affinity term by %s selects its own pods: its replicas may share a node", w, corev1.LabelHostname)
+		}
+		for _, tsc := range w.pod.Spec.TopologySpreadConstraints {
+			if !kubeSelects(t, tsc.LabelSelector, w.pod.Labels) {
+				t.Errorf("%s: topologySpreadConstraint by %s selects other pods than its own", w, tsc.TopologyKey)
+			}
+		}
+	}
+	if checked < 2 {
+		t.Errorf("checked %d workloads of several replicas, want the gateway's and Redis's", checked)
+	}
+}
+
 // TestKubeGatewayDeployment: two replicas, rolled one at a time without
 // going below them, a PodDisruptionBudget that selects exactly its pods and
 // lets one go, and the Service of its encoder-facing port keeps a client on
@@ -1315,33 +1357,6 @@ func TestKubeGatewayDeployment(t *testing.T) {
 	}
 	if gw.replicas == nil || *gw.replicas != 2 {
 		t.Errorf("%s: replicas %s, want 2", gw, kubeCount(gw.replicas))
-	}
-	// kube-linter's no-anti-affinity: a pod anti-affinity term by node
-	// that selects the Deployment's own pods, so that the scheduler puts
-	// the replicas on two nodes where it can.
-	antiAffinity := false
-	if a := gw.pod.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
-		terms := slices.Clone(a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution)
-		for _, p := range a.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution {
-			terms = append(terms, p.PodAffinityTerm)
-		}
-		for _, term := range terms {
-			if term.TopologyKey == corev1.LabelHostname && len(term.Namespaces) == 0 && term.NamespaceSelector == nil &&
-				kubeSelects(t, term.LabelSelector, gw.pod.Labels) {
-				antiAffinity = true
-			}
-		}
-		if len(a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) > 0 {
-			t.Errorf("%s: a required pod anti-affinity leaves a replica (or a rolling update's surge pod) unscheduled on a cluster of one node; prefer it", gw)
-		}
-	}
-	if !antiAffinity {
-		t.Errorf("%s: no pod anti-affinity term by %s selects its own pods: both replicas may land on one node", gw, corev1.LabelHostname)
-	}
-	for _, tsc := range gw.pod.Spec.TopologySpreadConstraints {
-		if !kubeSelects(t, tsc.LabelSelector, gw.pod.Labels) {
-			t.Errorf("%s: topologySpreadConstraint by %s selects other pods than its own", gw, tsc.TopologyKey)
-		}
 	}
 	d := kit.docByName(t, "Deployment", gw.name).(*appsv1.Deployment)
 	if ru := d.Spec.Strategy.RollingUpdate; ru == nil || ru.MaxUnavailable == nil || ru.MaxUnavailable.String() != "0" {
