@@ -1186,8 +1186,10 @@ func TestKubeEveryContainerIsLockedDown(t *testing.T) {
 			case chownOnly && uid != nil && *uid == 0:
 				// The socket directory's init container: root, CHOWN only,
 				// and the workload says why.
-				if !kubeLinterIgnored(w, "run-as-non-root") {
-					t.Errorf("%s runs as root without the annotation %srun-as-non-root giving the reason", where, kubeLinterIgnore)
+				for _, check := range []string{"run-as-non-root", "init-container-security-gap"} {
+					if !kubeLinterIgnored(w, check) {
+						t.Errorf("%s runs as root without the annotation %s%s giving the reason", where, kubeLinterIgnore, check)
+					}
 				}
 			case len(added) > 0:
 				t.Errorf("%s adds capabilities %v", where, added)
@@ -1257,12 +1259,13 @@ func TestKubeNoSecretInEnv(t *testing.T) {
 
 // TestKubeLinterIgnoresGiveReasons: the kit tells kube-linter to skip a
 // check only where this file knows why, and says why in the annotation's
-// value: the agent's root init container (run-as-non-root, see
-// TestKubeEveryContainerIsLockedDown) and its socket's hostPath
+// value: the agent's root init container (run-as-non-root and
+// init-container-security-gap, see TestKubeEveryContainerIsLockedDown) and
+// its socket's hostPath
 // (writable-host-mount, see kubeCheckSocketDir).
 func TestKubeLinterIgnoresGiveReasons(t *testing.T) {
 	kit := kubeLoad(t)
-	allowed := map[string][]string{"DaemonSet/encgate-agent": {"run-as-non-root", "writable-host-mount"}}
+	allowed := map[string][]string{"DaemonSet/encgate-agent": {"run-as-non-root", "init-container-security-gap", "writable-host-mount"}}
 	for _, d := range kit.docs {
 		meta := d.obj.(metav1.Object)
 		for k, v := range meta.GetAnnotations() {
