@@ -1261,10 +1261,21 @@ func TestKubeNoSecretInEnv(t *testing.T) {
 // check only where this file knows why, and says why in the annotation's
 // value: the agent's root init container (run-as-non-root and
 // init-container-security-gap, see TestKubeEveryContainerIsLockedDown) and
-// its socket's hostPath
-// (writable-host-mount, see kubeCheckSocketDir).
+// its socket's hostPath (writable-host-mount, see kubeCheckSocketDir),
+// which every workload with a writable hostPath mount must carry.
 func TestKubeLinterIgnoresGiveReasons(t *testing.T) {
 	kit := kubeLoad(t)
+	for _, w := range kit.workloads {
+		ps := &w.pod.Spec
+		for _, c := range kubeContainers(ps) {
+			for _, m := range c.VolumeMounts {
+				i := slices.IndexFunc(ps.Volumes, func(v corev1.Volume) bool { return v.Name == m.Name })
+				if i >= 0 && ps.Volumes[i].HostPath != nil && !m.ReadOnly && !kubeLinterIgnored(w, "writable-host-mount") {
+					t.Errorf("%s container %s mounts hostPath %s writable without the annotation %swritable-host-mount giving the reason", w, c.Name, ps.Volumes[i].HostPath.Path, kubeLinterIgnore)
+				}
+			}
+		}
+	}
 	allowed := map[string][]string{"DaemonSet/encgate-agent": {"run-as-non-root", "init-container-security-gap", "writable-host-mount"}}
 	for _, d := range kit.docs {
 		meta := d.obj.(metav1.Object)
