@@ -83,6 +83,7 @@ type kubeDoc struct {
 // the checks need.
 type kubeWorkload struct {
 	kind, name string
+	meta       *metav1.ObjectMeta
 	replicas   *int32 // nil for a DaemonSet
 	selector   *metav1.LabelSelector
 	pod        *corev1.PodTemplateSpec
@@ -239,11 +240,11 @@ func kubeLoad(t *testing.T) *kubeKit {
 			kit.docs = append(kit.docs, d)
 			switch o := d.obj.(type) {
 			case *appsv1.Deployment:
-				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, &o.ObjectMeta, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
 			case *appsv1.DaemonSet:
-				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, nil, o.Spec.Selector, &o.Spec.Template})
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, &o.ObjectMeta, nil, o.Spec.Selector, &o.Spec.Template})
 			case *appsv1.StatefulSet:
-				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
+				kit.workloads = append(kit.workloads, kubeWorkload{d.kind, d.name, &o.ObjectMeta, o.Spec.Replicas, o.Spec.Selector, &o.Spec.Template})
 			case *corev1.Service:
 				kit.services = append(kit.services, o)
 			case *corev1.ConfigMap:
@@ -799,7 +800,8 @@ func kubeGrace(ps *corev1.PodSpec) time.Duration {
 }
 
 // TestKubeKustomizationListsEveryManifest: every resource the
-// kustomization lists exists, and every file of the kit is listed.
+// kustomization lists exists, and every file of the kit is listed; a
+// directory is an add-on with a kustomization of its own.
 func TestKubeKustomizationListsEveryManifest(t *testing.T) {
 	k := kubeReadKustomization(t)
 	if len(k.Resources) == 0 {
@@ -821,6 +823,14 @@ func TestKubeKustomizationListsEveryManifest(t *testing.T) {
 	}
 	for _, e := range entries {
 		if e.Name() == "kustomization.yaml" {
+			continue
+		}
+		if e.IsDir() {
+			// An add-on with a kustomization of its own
+			// (prometheus-operator: kubernetes_operator_test.go).
+			if _, err := os.Stat(filepath.Join(kubeDir, e.Name(), "kustomization.yaml")); err != nil {
+				t.Errorf("%s/%s is a directory without a kustomization.yaml", kubeDir, e.Name())
+			}
 			continue
 		}
 		if !listed[e.Name()] {
@@ -1087,12 +1097,34 @@ func kubeRunAsUser(ps *corev1.PodSpec, c *corev1.Container) *int64 {
 	return nil
 }
 
-// TestKubeEveryContainerIsLockedDown: every container has resource
-// requests and a memory limit, a read-only root filesystem, no privilege
-// escalation, no capabilities, the runtime's seccomp profile, and runs as
-// a non-root user; encgate's as 65532. The one exception: an init
-// container may run as root with CHOWN alone (the agent's socket
-// directory). No pod shares the node's network, PIDs or IPC.
+// kubeLinterIgnore is the annotation prefix by which kube-linter skips a
+// check for one object; the value is the reason.
+const kubeLinterIgnore = "ignore-check.kube-linter.io/"
+
+// kubeLinterIgnored reports whether workload w tells kube-linter to skip
+// check, with a reason.
+func kubeLinterIgnored(w kubeWorkload, check string) bool {
+	return strings.TrimSpace(w.meta.Annotations[kubeLinterIgnore+check]) != ""
+}
+
+// TestKubeEveryContainerIsLockedDown: every container, init containers
+// included, has CPU and memory requests and a memory limit, a read-only
+// root filesystem, no privilege escalation, no capabilities, the runtime's
+// seccomp profile, and runs as a non-root user; encgate's as 65532. The
+// one exception: an init container may run as root with CHOWN alone (the
+// agent's socket directory), in a workload that tells kube-linter why
+// (ignore-check.kube-linter.io/run-as-non-root). No pod shares the node's
+// network, PIDs or IPC.
+//
+// kube-linter cannot run here (it is no Go module this repository may
+// fetch), so this stands in for its checks unset-cpu-requirements,
+// unset-memory-requirements, run-as-non-root, no-read-only-root-fs,
+// privilege-escalation-container, privileged-container,
+// drop-net-raw-capability (ALL is dropped), host-network, host-pid and
+// host-ipc, and for the "restricted" Pod Security Standard's seccomp rule.
+// CPU limits are left unset on purpose: a CFS quota throttles a
+// latency-bound process under a burst (kube-linter's CPU check asks for
+// requests only).
 func TestKubeEveryContainerIsLockedDown(t *testing.T) {
 	kit := kubeLoad(t)
 	for _, w := range kit.workloads {
@@ -1152,7 +1184,13 @@ func TestKubeEveryContainerIsLockedDown(t *testing.T) {
 			chownOnly := inits[c.Name] && slices.Equal(added, []corev1.Capability{"CHOWN"})
 			switch {
 			case chownOnly && uid != nil && *uid == 0:
-				// The socket directory's init container: root, CHOWN only.
+				// The socket directory's init container: root, CHOWN only,
+				// and the workload says why.
+				for _, check := range []string{"run-as-non-root", "init-container-security-gap"} {
+					if !kubeLinterIgnored(w, check) {
+						t.Errorf("%s runs as root without the annotation %s%s giving the reason", where, kubeLinterIgnore, check)
+					}
+				}
 			case len(added) > 0:
 				t.Errorf("%s adds capabilities %v", where, added)
 				fallthrough
@@ -1168,6 +1206,150 @@ func TestKubeEveryContainerIsLockedDown(t *testing.T) {
 				t.Errorf("%s: runAsUser %v, want 65532 (the image's user)", where, uid)
 			}
 		}
+	}
+}
+
+// kubeSecretName matches an environment variable's name that says it holds
+// a secret: kube-linter's env-var-secret pattern (secret) and the kit's own
+// words for one (password, token).
+var kubeSecretName = regexp.MustCompile(`(?i)secret|passw|token`)
+
+// TestKubeNoSecretInEnv: no container takes a secret through its
+// environment, where every process it starts inherits it and
+// /proc/PID/environ shows it. No env valueFrom secretKeyRef and no envFrom
+// secretRef (kube-linter's read-secret-from-env-var); a variable named like
+// a secret (env-var-secret) may hold a literal only when that literal is
+// the path of a file mounted from a Secret (REDIS_PASSWORD_FILE), which the
+// process reads itself.
+func TestKubeNoSecretInEnv(t *testing.T) {
+	kit := kubeLoad(t)
+	checked := 0
+	for _, w := range kit.workloads {
+		ps := &w.pod.Spec
+		for _, c := range kubeContainers(ps) {
+			where := fmt.Sprintf("%s container %s", w, c.Name)
+			for _, ef := range c.EnvFrom {
+				if ef.SecretRef != nil {
+					t.Errorf("%s: envFrom Secret %s puts every key of it in the environment; mount it as files", where, ef.SecretRef.Name)
+				}
+			}
+			for _, ev := range c.Env {
+				checked++
+				if ev.ValueFrom != nil && ev.ValueFrom.SecretKeyRef != nil {
+					t.Errorf("%s: env %s comes from Secret %s key %s; mount the Secret and read the file", where, ev.Name, ev.ValueFrom.SecretKeyRef.Name, ev.ValueFrom.SecretKeyRef.Key)
+					continue
+				}
+				if ev.ValueFrom != nil || !kubeSecretName.MatchString(ev.Name) {
+					continue
+				}
+				f, err := kubeResolve(ps, c, ev.Value)
+				switch {
+				case err != nil:
+					t.Errorf("%s: env %s is named like a secret and holds a literal that is no mounted file (%v): a secret written in the manifest", where, ev.Name, err)
+				case f.volume.Secret == nil:
+					t.Errorf("%s: env %s names %s, which comes from volume %s, not from a Secret", where, ev.Name, ev.Value, f.volume.Name)
+				}
+			}
+		}
+	}
+	if checked == 0 {
+		t.Fatal("no container of the kit sets an environment variable: the check checked nothing")
+	}
+}
+
+// TestKubeLinterIgnoresGiveReasons: the kit tells kube-linter to skip a
+// check only where this file knows why, and says why in the annotation's
+// value: the agent's root init container (run-as-non-root and
+// init-container-security-gap, see TestKubeEveryContainerIsLockedDown) and
+// its socket's hostPath (writable-host-mount, see kubeCheckSocketDir),
+// which every workload with a writable hostPath mount must carry.
+func TestKubeLinterIgnoresGiveReasons(t *testing.T) {
+	kit := kubeLoad(t)
+	for _, w := range kit.workloads {
+		ps := &w.pod.Spec
+		for _, c := range kubeContainers(ps) {
+			for _, m := range c.VolumeMounts {
+				i := slices.IndexFunc(ps.Volumes, func(v corev1.Volume) bool { return v.Name == m.Name })
+				if i >= 0 && ps.Volumes[i].HostPath != nil && !m.ReadOnly && !kubeLinterIgnored(w, "writable-host-mount") {
+					t.Errorf("%s container %s mounts hostPath %s writable without the annotation %swritable-host-mount giving the reason", w, c.Name, ps.Volumes[i].HostPath.Path, kubeLinterIgnore)
+				}
+			}
+		}
+	}
+	allowed := map[string][]string{"DaemonSet/encgate-agent": {"run-as-non-root", "init-container-security-gap", "writable-host-mount"}}
+	for _, d := range kit.docs {
+		meta := d.obj.(metav1.Object)
+		for k, v := range meta.GetAnnotations() {
+			check, ok := strings.CutPrefix(k, kubeLinterIgnore)
+			if !ok {
+				continue
+			}
+			id := d.kind + "/" + d.name
+			if !slices.Contains(allowed[id], check) {
+				t.Errorf("%s: %s skips kube-linter's %s, which the kit is meant to pass", d.where, id, check)
+			}
+			if len(strings.Fields(v)) < 5 {
+				t.Errorf("%s: %s's annotation %s gives no reason (%q)", d.where, id, k, v)
+			}
+		}
+	}
+}
+
+// TestKubePodDisruptionBudgetsSayWhatUnhealthyPodsGet: every
+// PodDisruptionBudget writes its unhealthyPodEvictionPolicy (kube-linter's
+// pdb-unhealthy-pod-eviction-policy): whether a drain may evict a pod that
+// is not ready is a choice, made per workload.
+func TestKubePodDisruptionBudgetsSayWhatUnhealthyPodsGet(t *testing.T) {
+	kit := kubeLoad(t)
+	if len(kit.pdbs) == 0 {
+		t.Fatal("the kit has no PodDisruptionBudget")
+	}
+	for _, pdb := range kit.pdbs {
+		if pdb.Spec.UnhealthyPodEvictionPolicy == nil {
+			t.Errorf("PodDisruptionBudget %s does not set unhealthyPodEvictionPolicy", pdb.Name)
+		}
+	}
+}
+
+// TestKubeReplicasPreferTwoNodes: every workload of two replicas or more
+// (the gateway's Deployment, Redis's StatefulSet) has a pod anti-affinity
+// term by node that selects its own pods, so that the scheduler puts the
+// replicas on different nodes where it can (kube-linter's
+// no-anti-affinity); preferred, not required, so that a cluster of fewer
+// nodes, or a rolling update's surge pod, still gets scheduled. A topology
+// spread, where there is one, selects the workload's own pods too.
+func TestKubeReplicasPreferTwoNodes(t *testing.T) {
+	kit := kubeLoad(t)
+	checked := 0
+	for _, w := range kit.workloads {
+		if w.replicas == nil || *w.replicas < 2 {
+			continue
+		}
+		checked++
+		antiAffinity := false
+		if a := w.pod.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+			for _, p := range a.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution {
+				term := p.PodAffinityTerm
+				if term.TopologyKey == corev1.LabelHostname && len(term.Namespaces) == 0 && term.NamespaceSelector == nil &&
+					kubeSelects(t, term.LabelSelector, w.pod.Labels) {
+					antiAffinity = true
+				}
+			}
+			if len(a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) > 0 {
+				t.Errorf("%s: a required pod anti-affinity leaves a replica (or a rolling update's surge pod) unscheduled on a cluster of too few nodes; prefer it", w)
+			}
+		}
+		if !antiAffinity {
+			t.Errorf("%s: no preferred pod anti-affinity term by %s selects its own pods: its replicas may share a node", w, corev1.LabelHostname)
+		}
+		for _, tsc := range w.pod.Spec.TopologySpreadConstraints {
+			if !kubeSelects(t, tsc.LabelSelector, w.pod.Labels) {
+				t.Errorf("%s: topologySpreadConstraint by %s selects other pods than its own", w, tsc.TopologyKey)
+			}
+		}
+	}
+	if checked < 2 {
+		t.Errorf("checked %d workloads of several replicas, want the gateway's and Redis's", checked)
 	}
 }
 
@@ -1392,9 +1574,9 @@ var kubeEnvRef = regexp.MustCompile(`\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
 
 // kubeContainerEnv is the environment the kubelet gives container c of pod
 // podName: $(NAME) in a value expanded from the variables before it,
-// fieldRef metadata.name the pod's name, secretKeyRef what secret gives.
-// Any other source fails the test.
-func kubeContainerEnv(t *testing.T, c *corev1.Container, podName string, secret func(corev1.SecretKeySelector) string) map[string]string {
+// fieldRef metadata.name the pod's name. Any other source fails the test
+// (a secretKeyRef too: TestKubeNoSecretInEnv).
+func kubeContainerEnv(t *testing.T, c *corev1.Container, podName string) map[string]string {
 	t.Helper()
 	env := map[string]string{}
 	for _, ev := range c.Env {
@@ -1411,8 +1593,6 @@ func kubeContainerEnv(t *testing.T, c *corev1.Container, podName string, secret 
 			})
 		case ev.ValueFrom.FieldRef != nil && ev.ValueFrom.FieldRef.FieldPath == "metadata.name":
 			env[ev.Name] = podName
-		case ev.ValueFrom.SecretKeyRef != nil:
-			env[ev.Name] = secret(*ev.ValueFrom.SecretKeyRef)
 		default:
 			t.Fatalf("container %s: env %s comes from a source this test does not know", c.Name, ev.Name)
 		}
@@ -1420,19 +1600,30 @@ func kubeContainerEnv(t *testing.T, c *corev1.Container, podName string, secret 
 	return env
 }
 
-// kubeSecretEnv is the Secret key env var name of container c comes from.
-func kubeSecretEnv(c *corev1.Container, name string) (kubeSecretRef, error) {
+// kubeRedisPasswordEnv names the file redis.sh reads the password from.
+const kubeRedisPasswordEnv = "REDIS_PASSWORD_FILE"
+
+// secretFileEnv is the Secret key behind the file that env var name of
+// container c names, after checking that the file is mounted as
+// checkSecretFile wants it and that the Secret is not optional (an optional
+// one starts Redis without its file when the key is missing).
+func (kit *kubeKit) secretFileEnv(ps *corev1.PodSpec, c *corev1.Container, name string) (kubeSecretRef, error) {
 	for _, ev := range c.Env {
 		if ev.Name != name {
 			continue
 		}
-		if ev.ValueFrom == nil || ev.ValueFrom.SecretKeyRef == nil {
-			return kubeSecretRef{}, fmt.Errorf("env %s is not from a secretKeyRef (a password in the manifest is published)", name)
+		if ev.ValueFrom != nil || !path.IsAbs(ev.Value) {
+			return kubeSecretRef{}, fmt.Errorf("env %s is not the path of a file", name)
 		}
-		if o := ev.ValueFrom.SecretKeyRef.Optional; o != nil && *o {
-			return kubeSecretRef{}, fmt.Errorf("env %s: an optional secretKeyRef starts Redis without a password when the key is missing", name)
+		ref, err := kit.checkSecretFile(ps, c, ev.Value)
+		if err != nil {
+			return kubeSecretRef{}, fmt.Errorf("env %s: %w", name, err)
 		}
-		return kubeSecretRef{secret: ev.ValueFrom.SecretKeyRef.Name, key: ev.ValueFrom.SecretKeyRef.Key}, nil
+		f, _ := kubeResolve(ps, c, ev.Value)
+		if o := f.volume.Secret.Optional; o != nil && *o {
+			return kubeSecretRef{}, fmt.Errorf("env %s: volume %s's Secret is optional", name, f.volume.Name)
+		}
+		return ref, nil
 	}
 	return kubeSecretRef{}, fmt.Errorf("no env %s", name)
 }
@@ -1526,7 +1717,7 @@ func TestKubeGatewayUsesTheKitsSentinels(t *testing.T) {
 	}
 	serverPort, sentinelPort := kubeContainerPort(t, rs.server), kubeContainerPort(t, rs.sentinel)
 	for _, c := range []*corev1.Container{rs.server, rs.sentinel} {
-		ref, err := kubeSecretEnv(c, "REDIS_PASSWORD")
+		ref, err := kit.secretFileEnv(&rs.w.pod.Spec, c, kubeRedisPasswordEnv)
 		if err != nil {
 			t.Errorf("%s container %s: %v", rs.w, c.Name, err)
 		} else if ref.secret != pw.secret || ref.key != pw.key {
@@ -1534,7 +1725,7 @@ func TestKubeGatewayUsesTheKitsSentinels(t *testing.T) {
 		}
 		names := rs.podNames()
 		for i, pod := range names {
-			env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", rs.sts.Name, i), func(corev1.SecretKeySelector) string { return kubeTestToken })
+			env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", rs.sts.Name, i))
 			want := map[string]string{
 				"SELF":          pod,
 				"NODES":         strings.Join(names, " "),
@@ -2048,17 +2239,18 @@ func TestKubeKustomizeBuild(t *testing.T) {
 // and environment (as the kubelet computes it), each pod on a loopback
 // address of its own, which stands for its DNS name.
 type kubeRedisRun struct {
-	t       *testing.T
-	rs      kubeRedisSet
-	script  string   // the script's file here
-	home    string   // HOME for every process
-	ips     []string // pod i's address
-	names   []string // pod i's DNS name in the kit
-	redisP  int
-	sentP   int
-	pods    []*kubeRedisPod
-	running map[*exec.Cmd]chan struct{} // closed when the process ends
-	clients map[string]*goredis.Client
+	t        *testing.T
+	rs       kubeRedisSet
+	script   string   // the script's file here
+	password string   // the password file here, holding kubeTestToken
+	home     string   // HOME for every process
+	ips      []string // pod i's address
+	names    []string // pod i's DNS name in the kit
+	redisP   int
+	sentP    int
+	pods     []*kubeRedisPod
+	running  map[*exec.Cmd]chan struct{} // closed when the process ends
+	clients  map[string]*goredis.Client
 }
 
 // kubeRedisPod is one pod: its emptyDirs (kept across its containers'
@@ -2114,6 +2306,7 @@ func newKubeRedisRun(t *testing.T, rs kubeRedisSet) *kubeRedisRun {
 	}
 	r.redisP, r.sentP = kubeLoopbackPorts(t, r.ips)
 	r.home = t.TempDir()
+	r.password = secretfiletest.Write(t, "redis-password", kubeTestToken+"\n", 0o600)
 	r.script = filepath.Join(t.TempDir(), "redis.sh")
 	if err := os.WriteFile(r.script, []byte(rs.script), 0o600); err != nil {
 		t.Fatal(err)
@@ -2130,10 +2323,11 @@ func newKubeRedisRun(t *testing.T, rs kubeRedisSet) *kubeRedisRun {
 
 // env is container c's environment in pod i, moved to this machine: the
 // pods' DNS names in SELF and NODES become their addresses, the ports the
-// test's, BIND the pod's address, and the password the test's.
+// test's, BIND the pod's address, and a path of a file the pod's Secret
+// volume provides (the password file) the test's password file.
 func (r *kubeRedisRun) env(i int, c *corev1.Container) []string {
 	t := r.t
-	env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", r.rs.sts.Name, i), func(corev1.SecretKeySelector) string { return kubeTestToken })
+	env := kubeContainerEnv(t, c, fmt.Sprintf("%s-%d", r.rs.sts.Name, i))
 	addr := func(name string) string {
 		j := slices.Index(r.names, name)
 		if j < 0 {
@@ -2149,6 +2343,11 @@ func (r *kubeRedisRun) env(i int, c *corev1.Container) []string {
 	env["NODES"] = strings.Join(nodes, " ")
 	env["REDIS_PORT"], env["SENTINEL_PORT"] = strconv.Itoa(r.redisP), strconv.Itoa(r.sentP)
 	env["BIND"] = r.ips[i]
+	for k, v := range env {
+		if f, err := kubeResolve(&r.rs.w.pod.Spec, c, v); err == nil && f.volume.Secret != nil {
+			env[k] = r.password
+		}
+	}
 	out := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + r.home}
 	for k, v := range env {
 		out = append(out, k+"="+v)
@@ -2530,22 +2729,73 @@ func kubeAdmits(t *testing.T, np *networkingv1.NetworkPolicy, port string, peer 
 	return false
 }
 
+// kubeBinds lists the addresses a loaded config listens on, by the YAML
+// path that sets each.
+func kubeBinds(sub string, cfg any) map[string]string {
+	out := map[string]string{}
+	if sub == "gateway" {
+		c := cfg.(gateway.Config)
+		out["listen"], out["admin_listen"] = c.Listen, c.AdminListen
+		if c.Bootstrap.Listen != "" {
+			out["bootstrap.listen"] = c.Bootstrap.Listen
+		}
+		return out
+	}
+	c := cfg.(gpuagent.Config)
+	out["listen"], out["admin_listen"] = c.Listen, c.AdminListen
+	if r := c.Receiver; r != nil {
+		out["receiver.handshake_listen"], out["receiver.data_listen"] = r.HandshakeListen, r.DataListen
+	}
+	return out
+}
+
+// kubeOpens reports whether some ingress rule of np lists the container
+// port named port.
+func kubeOpens(np *networkingv1.NetworkPolicy, port string) bool {
+	for _, r := range np.Spec.Ingress {
+		for _, p := range r.Ports {
+			if p.Port != nil && p.Port.Type == intstr.String && p.Port.StrVal == port {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // TestKubeNetworkPolicies checks the kit's NetworkPolicies against its
-// workloads and Services: every workload is selected by exactly one policy,
-// every port a policy names is a container port of the pods it selects,
-// every container port is opened to someone (a Service's target included),
-// no rule is open to every peer, and each door admits exactly the pods that
-// need it: the bootstrap door the encoders, the agent's TCP door the
-// gateways, the admin doors the scrapers, Redis the gateways and itself.
+// workloads, Services and configs: one policy selects every pod of the
+// namespace and admits nothing (default deny); every workload is selected
+// by exactly one other policy; every port a policy names is a container
+// port of the pods it selects; every container port is opened to someone
+// (a Service's target included), and so is every port the ConfigMaps'
+// configs listen on (listen, admin_listen, bootstrap.listen, an agent's
+// receiver); no rule is open to every peer; and each door admits exactly
+// the pods that need it: the bootstrap door the encoders, the agent's TCP
+// door the gateways, the admin doors the scrapers, Redis the gateways and
+// itself.
+//
+// This stands in for kube-linter's non-isolated-pod (every workload
+// selected by a policy), dangling-networkpolicy (every policy selects
+// pods) and dangling-networkpolicy-rule / dangling-networkpolicypeer-
+// podselector (each named peer is one the tests below admit).
 func TestKubeNetworkPolicies(t *testing.T) {
 	kit := kubeLoad(t)
 	if len(kit.netpols) == 0 {
 		t.Fatal("the kit has no NetworkPolicy: every door is open to every pod of the cluster")
 	}
 	policyOf := map[string]*networkingv1.NetworkPolicy{} // workload -> its policy
+	denyAll := 0
 	for _, np := range kit.netpols {
 		if !slices.Equal(np.Spec.PolicyTypes, []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}) {
 			t.Errorf("NetworkPolicy %s: policyTypes %v, want [Ingress]", np.Name, np.Spec.PolicyTypes)
+		}
+		if len(np.Spec.PodSelector.MatchLabels) == 0 && len(np.Spec.PodSelector.MatchExpressions) == 0 {
+			// Every pod of the namespace: the default deny.
+			denyAll++
+			if len(np.Spec.Ingress) > 0 {
+				t.Errorf("NetworkPolicy %s selects every pod of the namespace and admits %d rules: a default deny admits nothing", np.Name, len(np.Spec.Ingress))
+			}
+			continue
 		}
 		var selected []kubeWorkload
 		for _, w := range kit.workloads {
@@ -2614,10 +2864,47 @@ func TestKubeNetworkPolicies(t *testing.T) {
 			}
 		}
 	}
+	if denyAll != 1 {
+		t.Errorf("%d NetworkPolicies select every pod of the namespace, want one default deny (podSelector {}, no ingress rule)", denyAll)
+	}
 	for _, w := range kit.workloads {
 		if policyOf[w.String()] == nil {
-			t.Errorf("%s is selected by no NetworkPolicy: all its ports are open to every pod", w)
+			t.Errorf("%s is selected by no NetworkPolicy of its own: the default deny closes all its ports", w)
 		}
+	}
+
+	// The ports the configs of the ConfigMaps listen on, each a named
+	// container port that its workload's policy opens.
+	listens := 0
+	for _, e := range kit.encgateContainers() {
+		np := policyOf[e.w.String()]
+		if np == nil || !kubeRunsSubcommand(e.c) {
+			continue
+		}
+		sub := e.c.Args[0]
+		got, err := kubeParseArgs(e.c.Args[1:], map[string]bool{"config": true, "check": false})
+		if err != nil || len(got["config"]) != 1 {
+			t.Fatalf("%s: args %q: %v", e, e.c.Args, err)
+		}
+		content, err := kit.configMapFile(&e.w.pod.Spec, e.c, got["config"][0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, cfg := kit.localConfig(t, e, content, nil)
+		for field, addr := range kubeBinds(sub, cfg) {
+			listens++
+			_, port := kubePort(t, addr)
+			i := slices.IndexFunc(e.c.Ports, func(cp corev1.ContainerPort) bool { return cp.ContainerPort == port })
+			switch {
+			case i < 0 || e.c.Ports[i].Name == "":
+				t.Errorf("%s: %s %s is no named container port, so no NetworkPolicy rule can open it", e, field, addr)
+			case !kubeOpens(np, e.c.Ports[i].Name):
+				t.Errorf("%s: %s %s (port %s) is opened by no rule of NetworkPolicy %s", e, field, addr, e.c.Ports[i].Name, np.Name)
+			}
+		}
+	}
+	if listens < 5 {
+		t.Errorf("checked %d listeners of the configs, want at least the gateway's three and the agent's two", listens)
 	}
 
 	gw := kit.workload(t, "Deployment", "encgate-gateway")

@@ -70,6 +70,7 @@ const (
 type dashboard struct {
 	UID           string `json:"uid"`
 	Title         string `json:"title"`
+	Editable      *bool  `json:"editable"`
 	SchemaVersion int    `json:"schemaVersion"`
 	Templating    struct {
 		List []dashVariable `json:"list"`
@@ -80,8 +81,13 @@ type dashboard struct {
 type dashVariable struct {
 	Type       string          `json:"type"`
 	Name       string          `json:"name"`
+	Label      string          `json:"label"`
 	Query      json.RawMessage `json:"query"`
 	Datasource *datasourceRef  `json:"datasource"`
+	Multi      bool            `json:"multi"`
+	IncludeAll bool            `json:"includeAll"`
+	AllValue   string          `json:"allValue"`
+	Refresh    int             `json:"refresh"`
 }
 
 type datasourceRef struct {
@@ -90,16 +96,22 @@ type datasourceRef struct {
 }
 
 type panel struct {
-	ID         int            `json:"id"`
-	Type       string         `json:"type"`
-	Title      string         `json:"title"`
-	Collapsed  bool           `json:"collapsed"`
-	Datasource *datasourceRef `json:"datasource"`
-	GridPos    *struct {
+	ID          int            `json:"id"`
+	Type        string         `json:"type"`
+	Title       string         `json:"title"`
+	Description string         `json:"description"`
+	Collapsed   bool           `json:"collapsed"`
+	Datasource  *datasourceRef `json:"datasource"`
+	GridPos     *struct {
 		H, W, X, Y int
 	} `json:"gridPos"`
-	Targets []panelTarget `json:"targets"`
-	Panels  []panel       `json:"panels"` // a collapsed row's
+	Targets     []panelTarget `json:"targets"`
+	Panels      []panel       `json:"panels"` // a collapsed row's
+	FieldConfig struct {
+		Defaults struct {
+			Unit string `json:"unit"`
+		} `json:"defaults"`
+	} `json:"fieldConfig"`
 }
 
 type panelTarget struct {
@@ -243,8 +255,68 @@ func alertExpressions(rules []alertRule) []monExpression {
 	return out
 }
 
-// labelValuesQuery is the one form of query variable the dashboard uses.
-var labelValuesQuery = regexp.MustCompile(`^label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)$`)
+// labelValuesQuery is the one form of query variable the dashboard uses:
+// label_values(SELECTOR, LABEL).
+var labelValuesQuery = regexp.MustCompile(`^label_values\(\s*(.+?)\s*,\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)$`)
+
+// metricNamePattern is a metric name, whole.
+var metricNamePattern = regexp.MustCompile(`^[A-Za-z_:][A-Za-z0-9_:]*$`)
+
+// labelValues reads a query variable's label_values(SELECTOR, LABEL):
+// the metrics SELECTOR reads (a name, or a __name__ matcher: = one name,
+// =~ names joined by |), its other matchers, and LABEL.
+func labelValues(q string) (names []string, matchers []promMatcher, label string, err error) {
+	m := labelValuesQuery.FindStringSubmatch(q)
+	if m == nil {
+		return nil, nil, "", fmt.Errorf("%q is not label_values(selector, label)", q)
+	}
+	toks, err := lexPromQL(m[1])
+	if err != nil {
+		return nil, nil, "", err
+	}
+	i := 0
+	if i < len(toks) && toks[i].kind == 'i' {
+		names = append(names, toks[i].text)
+		i++
+	}
+	if i < len(toks) && toks[i].kind == 'p' && toks[i].text == "{" {
+		for i++; i < len(toks) && !(toks[i].kind == 'p' && toks[i].text == "}"); i++ {
+			if toks[i].kind == 'p' && toks[i].text == "," {
+				continue
+			}
+			if i+2 >= len(toks) || toks[i].kind != 'i' || toks[i+1].kind != 'p' || toks[i+2].kind != 's' {
+				return nil, nil, "", fmt.Errorf("cannot read the matchers of %q", m[1])
+			}
+			mt := promMatcher{toks[i].text, toks[i+1].text, toks[i+2].text}
+			i += 2
+			if mt.label != "__name__" {
+				matchers = append(matchers, mt)
+				continue
+			}
+			switch mt.op {
+			case "=":
+				names = append(names, mt.value)
+			case "=~":
+				names = append(names, strings.Split(mt.value, "|")...)
+			default:
+				return nil, nil, "", fmt.Errorf("%q: __name__%s names no metric", m[1], mt.op)
+			}
+		}
+		if i >= len(toks) {
+			return nil, nil, "", fmt.Errorf("unterminated matchers in %q", m[1])
+		}
+		i++
+	}
+	if i != len(toks) || len(names) == 0 {
+		return nil, nil, "", fmt.Errorf("%q is not one metric selector", m[1])
+	}
+	for _, n := range names {
+		if !metricNamePattern.MatchString(n) {
+			return nil, nil, "", fmt.Errorf("%q: %q is not a metric name", m[1], n)
+		}
+	}
+	return names, matchers, m[2], nil
+}
 
 // variableQuery returns a query variable's query, written either as a
 // string or as {"query": "..."}.
@@ -298,10 +370,40 @@ func histogramBase(name string) string {
 	return name
 }
 
+// dashboardScopeVars are the variables every selector of every panel
+// target matches on (Grafana's dashboard-linter: template-job-rule,
+// template-instance-rule, target-job-rule, target-instance-rule), each with
+// the label the linter wants on it.
+var dashboardScopeVars = []struct{ name, label string }{{"job", "Job"}, {"instance", "Instance"}}
+
+// grafanaUnits are unit ids Grafana knows (its valueFormats categories),
+// those a panel of this dashboard may reasonably show; dashboard-linter's
+// panel-units-rule refuses a panel without a known one.
+var grafanaUnits = promSet(
+	"none", "short", "percent", "percentunit",
+	"ns", "µs", "ms", "s", "m", "h", "d", "dtdurations", "dtdurationms",
+	"bytes", "decbytes", "bits", "decbits",
+	"Bps", "binBps", "bps", "binbps",
+	"reqps", "rps", "ops", "cps", "wps", "iops", "opm", "rpm", "cpm", "wpm", "hertz")
+
+// TestDashboardIsWellFormed checks the dashboard's shape and the
+// conventions of Grafana's dashboard-linter (which is not a Go module this
+// repository may fetch): a datasource variable (template-datasource-rule);
+// job and instance query variables, multi-valued with All as ".+", reloaded
+// on a time range change (template-job-rule, template-instance-rule,
+// template-on-time-change-reload-rule); every selector of every target
+// matching job=~"$job" and instance=~"$instance" (target-job-rule,
+// target-instance-rule); a unit on every panel (panel-units-rule); every
+// panel on the datasource variable (panel-datasource-rule), titled, with a
+// description (panel-title-description-rule) and a target
+// (panel-no-targets-rule); and editable false (uneditable-dashboard-rule).
 func TestDashboardIsWellFormed(t *testing.T) {
 	d := loadDashboard(t)
 	if d.UID == "" || d.Title == "" {
 		t.Errorf("the dashboard needs a uid and a title (uid %q, title %q)", d.UID, d.Title)
+	}
+	if d.Editable == nil || *d.Editable {
+		t.Error("the dashboard is editable: provisioned dashboards are changed in the file, so set editable: false")
 	}
 	if d.SchemaVersion < 36 {
 		t.Errorf("schemaVersion %d: want the JSON model of Grafana 10 or later (>= 36)", d.SchemaVersion)
@@ -319,13 +421,28 @@ func TestDashboardIsWellFormed(t *testing.T) {
 			if v.Datasource == nil || v.Datasource.UID != datasourceVar {
 				t.Errorf("variable %q must query %s", v.Name, datasourceVar)
 			}
-			if !labelValuesQuery.MatchString(variableQuery(v)) {
-				t.Errorf("variable %q: query %q is not label_values(metric, label)", v.Name, variableQuery(v))
+			if _, _, _, err := labelValues(variableQuery(v)); err != nil {
+				t.Errorf("variable %q: %v", v.Name, err)
 			}
 		}
 	}
 	if !haveDS {
 		t.Errorf("no datasource variable named datasource of type prometheus")
+	}
+	for _, want := range dashboardScopeVars {
+		i := slices.IndexFunc(d.Templating.List, func(v dashVariable) bool { return v.Name == want.name })
+		if i < 0 {
+			t.Errorf("no %s variable", want.name)
+			continue
+		}
+		v := d.Templating.List[i]
+		if v.Type != "query" || v.Label != want.label || !v.Multi || !v.IncludeAll || v.AllValue != ".+" || v.Refresh != 2 {
+			t.Errorf("variable %s: type %q, label %q, multi %v, includeAll %v, allValue %q, refresh %d; want query, %q, true, true, \".+\", 2 (on time range change)",
+				v.Name, v.Type, v.Label, v.Multi, v.IncludeAll, v.AllValue, v.Refresh, want.label)
+		}
+		if _, _, label, err := labelValues(variableQuery(v)); err == nil && label != want.name {
+			t.Errorf("variable %s lists the values of %s, want %s", v.Name, label, want.name)
+		}
 	}
 
 	titles, under, loose := rowPanels(d)
@@ -351,6 +468,9 @@ func TestDashboardIsWellFormed(t *testing.T) {
 		if strings.TrimSpace(p.Title) == "" {
 			t.Errorf("panel %d has no title", p.ID)
 		}
+		if strings.TrimSpace(p.Description) == "" {
+			t.Errorf("panel %q has no description", p.Title)
+		}
 		if p.Type != "timeseries" && p.Type != "stat" {
 			t.Errorf("panel %q: type %q, want timeseries or stat", p.Title, p.Type)
 		}
@@ -359,6 +479,9 @@ func TestDashboardIsWellFormed(t *testing.T) {
 		}
 		if len(p.Targets) == 0 {
 			t.Errorf("panel %q has no target", p.Title)
+		}
+		if u := p.FieldConfig.Defaults.Unit; !grafanaUnits[u] {
+			t.Errorf("panel %q: unit %q (fieldConfig.defaults.unit) is not one of %v", p.Title, u, monSorted(grafanaUnits))
 		}
 		refIDs := map[string]bool{}
 		for _, tg := range p.Targets {
@@ -371,6 +494,18 @@ func TestDashboardIsWellFormed(t *testing.T) {
 			refIDs[tg.RefID] = true
 			if tg.Datasource != nil && tg.Datasource.UID != datasourceVar {
 				t.Errorf("panel %q target %s: datasource %+v, want %s", p.Title, tg.RefID, tg.Datasource, datasourceVar)
+			}
+			a, err := analyzePromQL(tg.Expr)
+			if err != nil {
+				t.Errorf("panel %q target %s: %v", p.Title, tg.RefID, err)
+				continue
+			}
+			for _, sel := range a.selectors {
+				for _, want := range dashboardScopeVars {
+					if !slices.Contains(sel.matchers, promMatcher{want.name, "=~", "$" + want.name}) {
+						t.Errorf("panel %q target %s: selector %s has no %s=~\"$%s\"", p.Title, tg.RefID, sel.name, want.name, want.name)
+					}
+				}
 			}
 		}
 	}
@@ -569,7 +704,7 @@ func TestDashboardAndAlertsPassPromtool(t *testing.T) {
 	}
 	run(alertsFile)
 
-	vars := strings.NewReplacer("$__rate_interval", "5m", "$gateway", ".*", "$agent", ".*")
+	vars := strings.NewReplacer("$__rate_interval", "5m", "$job", ".+", "$instance", ".+")
 	type rec struct {
 		Record string `yaml:"record"`
 		Expr   string `yaml:"expr"`
@@ -1582,17 +1717,23 @@ func TestMonitoringNamesExistInARunningGatewayAndAgent(t *testing.T) {
 		if v.Type != "query" {
 			continue
 		}
-		m := labelValuesQuery.FindStringSubmatch(variableQuery(v))
-		if m == nil {
-			t.Errorf("variable %q: cannot read %q", v.Name, variableQuery(v))
+		names, matchers, label, err := labelValues(variableQuery(v))
+		if err != nil {
+			t.Errorf("variable %q: %v", v.Name, err)
 			continue
 		}
-		f, part := all.resolve(m[1])
-		switch {
-		case f == nil:
-			t.Errorf("variable %q: %s is not in the /metrics of a running gateway or agent", v.Name, m[1])
-		case !monFamilyLabels(f, part)[m[2]] && !promTargetLabels[m[2]]:
-			t.Errorf("variable %q: %s has no label %s", v.Name, m[1], m[2])
+		for _, name := range names {
+			f, part := all.resolve(name)
+			if f == nil {
+				t.Errorf("variable %q: %s is not in the /metrics of a running gateway or agent", v.Name, name)
+				continue
+			}
+			ls := monFamilyLabels(f, part)
+			for _, l := range append([]string{label}, monMatcherLabels(matchers)...) {
+				if !ls[l] && !promTargetLabels[l] {
+					t.Errorf("variable %q: %s has no label %s", v.Name, name, l)
+				}
+			}
 		}
 	}
 	t.Logf("%d expressions checked against %d families (%d from gateway A, %d from B, %d from the agent)",
@@ -1645,6 +1786,15 @@ func runRedisGateway(t *testing.T, tokens, dim, ackPort int, session string, add
 		}
 	}
 	return ex
+}
+
+// monMatcherLabels are the labels matchers name.
+func monMatcherLabels(ms []promMatcher) []string {
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.label)
+	}
+	return out
 }
 
 // monLabels writes labels as a selector's matchers: {a="x",b="y"}.
