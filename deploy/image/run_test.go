@@ -125,7 +125,21 @@ func TestImageRuns(t *testing.T) {
 		t.Fatalf("Entrypoint+Cmd %q: want /encgate ... %s", argv, configInImage)
 	}
 
+	// The gateway refuses a config that RLIMIT_NOFILE cannot hold, as the
+	// engine line's --ulimit provides for; this process's limit is what
+	// the child gets.
 	dir := t.TempDir()
+	embedded := filepath.Join(dir, "embedded.yaml")
+	if err := os.WriteFile(embedded, r.config, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	gcfg, err := gateway.LoadConfig(embedded)
+	if err != nil {
+		t.Fatalf("the image's config: %v", err)
+	}
+	if _, err := gateway.Descriptors(gcfg, nil, false); err != nil {
+		t.Skipf("this machine's RLIMIT_NOFILE cannot hold the image's config (a container gets --ulimit nofile=%s): %v", documentedNofile, err)
+	}
 	config, ports := publish(t, r.config)
 	confPath := filepath.Join(dir, "gateway.yaml")
 	if err := os.WriteFile(confPath, config, 0o644); err != nil {
