@@ -226,7 +226,8 @@ func (nofile) Set(uint64, uint64) error       { return errors.New("fixed") }
 // TestDocumentedRunLines: the run lines in the deploying guide and in the
 // image's config give the container an RLIMIT_NOFILE that holds what that
 // config can hold open (the gateway refuses to start otherwise), publish
-// both its ports, and are the same --ulimit the engine test uses.
+// both its ports, and are the same --ulimit the engine test uses; the
+// number of descriptors both say the config needs is the gateway's sum.
 func TestDocumentedRunLines(t *testing.T) {
 	cfg, err := gateway.LoadConfig(filepath.Join("..", "..", containerConfigSrc))
 	if err != nil {
@@ -236,10 +237,13 @@ func TestDocumentedRunLines(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := gateway.Descriptors(cfg, nofile(soft), false); err != nil {
+	report, err := gateway.Descriptors(cfg, nofile(soft), false)
+	if err != nil {
 		t.Errorf("--ulimit nofile=%s does not fit %s: %v", documentedNofile, containerConfigSrc, err)
 	}
+	need := strconv.FormatUint(report.Limits.Need, 10)
 	ulimit := regexp.MustCompile(`--ulimit nofile=(\d+(?::\d+)?)`)
+	needs := regexp.MustCompile(`(\d+) descriptors`)
 	for _, f := range []string{"docs/getting-started/deploying.md", containerConfigSrc} {
 		b, err := os.ReadFile(filepath.Join("..", "..", f))
 		if err != nil {
@@ -253,6 +257,15 @@ func TestDocumentedRunLines(t *testing.T) {
 		for _, m := range ms {
 			if m[1] != documentedNofile {
 				t.Errorf("%s: --ulimit nofile=%s, want %s", f, m[1], documentedNofile)
+			}
+		}
+		if ms := needs.FindAllStringSubmatch(text, -1); len(ms) == 0 {
+			t.Errorf("%s does not say how many descriptors the config needs (%s)", f, need)
+		} else {
+			for _, m := range ms {
+				if m[1] != need {
+					t.Errorf("%s says %s descriptors, the config needs %s", f, m[1], need)
+				}
 			}
 		}
 		for _, want := range []string{"docker run", "podman run", "-p 8080:8080", "-p 9090:9090"} {
