@@ -2,7 +2,9 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/admin"
@@ -16,6 +18,7 @@ func (s *Server) adminMux() *http.ServeMux {
 	mux, protected := admin.NewMux(admin.Options{
 		Registry: s.reg,
 		Ready:    s.ready.Load,
+		Checks:   func() []admin.Check { return []admin.Check{s.dedupeCheck()} },
 		Token:    func() string { return s.conf().Admin.Required() },
 		Realm:    "encgate admin",
 		Refused:  func(*http.Request, bearer.Outcome) { s.metrics.adminUnauthorized.Inc() },
@@ -25,6 +28,19 @@ func (s *Server) adminMux() *http.ServeMux {
 	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
 	protected("GET /admin/registrations", s.serveRegistrations)
 	return mux
+}
+
+// dedupeCheck is the /send store's line on /readyz?verbose. It is
+// advisory: while the store does not answer, /sends are refused (or
+// forwarded without dedupe, idempotency.fail_open) but /encode and its
+// follow-ups serve, and a store the replicas share fails for all of them
+// at once, so readiness does not depend on it (docs/operations/redis.md).
+func (s *Server) dedupeCheck() admin.Check {
+	c := admin.Check{Name: "dedupe_store", Advisory: true}
+	if h := storeHealth(s.store.Store); !h.Up {
+		c.Err = fmt.Errorf("%v (since %s)", h.Err, h.Since.UTC().Format(time.RFC3339))
+	}
+	return c
 }
 
 // serveSendRecord shows one req_id's /send destinations: done (with the

@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
 
+	"github.com/encgate/encgate/idempotency"
 	"github.com/encgate/encgate/internal/listener"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
@@ -26,7 +27,7 @@ type metrics struct {
 	hot hot
 }
 
-func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.Limiter) *metrics {
+func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.Limiter, store idempotency.Store) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_requests_total",
@@ -63,6 +64,15 @@ func newMetrics(reg prometheus.Registerer, pool *upstream.Pool, conns *listener.
 			Name: "encgate_connections_rejected_total",
 			Help: "Client connections answered 503 and closed because limits.max_conns were open.",
 		}, func() float64 { return float64(conns.Rejected()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "encgate_dedupe_store_up",
+			Help: "1 while the /send dedupe store answers (the last call of its own, or its PING when idle, succeeded), 0 while it does not and /sends are refused (or forwarded without dedupe with idempotency.fail_open); always 1 for the memory store. /readyz?verbose says why.",
+		}, func() float64 {
+			if storeHealth(store).Up {
+				return 1
+			}
+			return 0
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "encgate_pins",
 			Help: "req_id -> encoder pins held (expired ones not yet swept included).",
@@ -123,4 +133,13 @@ func (m *metrics) observe(rt *sglang.Route, code int, d time.Duration) {
 	} else {
 		m.duration.WithLabelValues(rt.Label).Observe(d.Seconds())
 	}
+}
+
+// storeHealth is what the /send store knows of its backend: the Redis
+// store's Health; a store with no backend to lose (memory) is always up.
+func storeHealth(store idempotency.Store) idempotency.Health {
+	if h, ok := store.(idempotency.HealthReporter); ok {
+		return h.Health()
+	}
+	return idempotency.Health{Up: true}
 }

@@ -176,7 +176,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	s.adconns = listener.NewLimiter(listener.Options{Name: "admin", Max: cfg.Admin.MaxConns, Linger: listener.AdminMaxLingering,
 		Key: "admin.max_conns", What: "admin connections", One: "admin connection", Counter: "encgate_admin_connections_rejected_total"}, clk, log, acceptErrors)
 	listener.RegisterAdminConnMetrics(deps.Registry, s.adconns)
-	s.metrics = newMetrics(deps.Registry, pool, s.conns)
+	s.metrics = newMetrics(deps.Registry, pool, s.conns, store.Store)
 	s.sends = idempotency.NewSends(store.Store, cfg.Idempotency, clk, deps.Log.Named("idempotency"),
 		idempotency.NewMetrics(deps.Registry, store.Memory))
 	s.srv = &fasthttp.Server{

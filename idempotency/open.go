@@ -48,7 +48,13 @@ func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk
 		ctx, cancel := context.WithTimeout(context.Background(), conn.DialTimeout.D()+conn.Timeout.D())
 		defer cancel()
 		var refused *redisclient.RefusedError
-		switch err := redisclient.Check(ctx, client); {
+		err = redisclient.Check(ctx, client)
+		if err == nil {
+			r.noteHealth(nil)
+		} else {
+			r.noteHealth(&unavailableError{op: "check", err: err})
+		}
+		switch {
 		case err == nil:
 		case errors.As(err, &refused) && refused.TLS():
 			_ = r.Close()
@@ -62,6 +68,7 @@ func Open(cfg Config, client redis.UniversalClient, conn redisclient.Config, clk
 			log.Warn("redis is not reachable yet; /sends are refused until it is", zap.String("redis", conn.Where()),
 				zap.Bool("fail_open", cfg.FailOpen), zap.Error(err))
 		}
+		r.startHealth(HealthPingInterval)
 		return &Opened{Store: r, stop: r.Close}, nil
 	default:
 		return nil, fmt.Errorf("idempotency.store: unknown store %q", cfg.Store)

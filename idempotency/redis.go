@@ -141,6 +141,11 @@ type Redis struct {
 
 	obs atomic.Pointer[Metrics] // set by NewSends; nil in bare tests
 
+	// What the store's calls have learned of Redis (redis_health.go).
+	hmu    sync.Mutex
+	health Health
+	seen   time.Time // when a call last had a result, answered or failed
+
 	done chan struct{}   // closed by Close: waiters leave
 	life context.Context // canceled by Close: background retries stop
 	end  context.CancelFunc
@@ -233,6 +238,7 @@ func NewRedis(client redis.UniversalClient, conn redisclient.Config, ttl, claimT
 		done:       make(chan struct{}),
 		life:       life,
 		end:        end,
+		health:     Health{Since: clk.Now(), Err: errNotContacted},
 	}, nil
 }
 
@@ -263,6 +269,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 	if err := r.c.Ping(octx).Err(); err != nil {
 		return r.fail(ctx, "ping", err)
 	}
+	r.noteHealth(nil)
 	return nil
 }
 
@@ -424,6 +431,7 @@ func (r *Redis) Lookup(ctx context.Context, k Key) (Record, bool, bool, error) {
 	if err != nil {
 		return Record{}, false, false, r.fail(ctx, "lookup", err)
 	}
+	r.noteHealth(nil)
 	switch v := v.(type) {
 	case string:
 		rec, err := decodeRecord(v)
@@ -466,6 +474,7 @@ func (r *Redis) Claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 		r.addOrphan(k, tok, r.clk.Now().Add(r.claimTTL), "claim", err)
 		return Claim{}, r.fail(ctx, "claim", err)
 	}
+	r.noteHealth(nil)
 	state, _ := res[0].(int64)
 	switch {
 	case state == 0 || state == 5 && len(res) == 2:
@@ -548,6 +557,7 @@ func (r *Redis) complete(ctx context.Context, k Key, rec *Record, receiveCount i
 	if err != nil {
 		return false, r.fail(ctx, "complete", err)
 	}
+	r.noteHealth(nil)
 	return n == 1, nil
 }
 
@@ -581,6 +591,7 @@ func (r *Redis) abandon(ctx context.Context, k Key, tok string) (found bool, err
 	if err != nil {
 		return false, r.fail(ctx, "abandon", err)
 	}
+	r.noteHealth(nil)
 	return n == 1, nil
 }
 
@@ -614,6 +625,7 @@ func (r *Redis) Await(ctx context.Context, k Key) (*Record, bool, error) {
 		if err != nil {
 			return nil, false, r.fail(ctx, "await", err)
 		}
+		r.noteHealth(nil)
 		switch v := v.(type) {
 		case string:
 			rec, err := decodeRecord(v)
@@ -650,6 +662,7 @@ func (r *Redis) Inspect(ctx context.Context, reqID string) (ReqView, error) {
 	if err != nil {
 		return v, r.fail(ctx, "inspect", err)
 	}
+	r.noteHealth(nil)
 	if len(res) != 4 {
 		return v, fmt.Errorf("idempotency: inspect: unexpected reply %v", res)
 	}
@@ -711,7 +724,9 @@ func (r *Redis) fail(ctx context.Context, op string, err error) error {
 		// read as one.
 		err = fmt.Errorf("no answer within %v", r.opTimeout)
 	}
-	return &unavailableError{op: op, err: err}
+	ue := &unavailableError{op: op, err: err}
+	r.noteHealth(ue)
+	return ue
 }
 
 // unavailableError is a failed Redis operation; errors.Is matches it to

@@ -197,6 +197,12 @@ func (r *Redis) holdClaim(k Key, p *pendingComplete) {
 	before := r.clk.Now()
 	state, err := holdScript.Run(ctx, r.c, []string{ks.rec, ks.claim, ks.claims},
 		p.claim, r.claimTTL.Milliseconds(), k.Dest, ks.done, publishedRecord+string(encodeRecord(p.rec))).Int64()
+	switch {
+	case err == nil:
+		r.noteHealth(nil)
+	case r.life.Err() == nil:
+		r.noteHealth(&unavailableError{op: "hold", err: err})
+	}
 	lost := false
 	switch {
 	case err != nil:

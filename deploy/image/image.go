@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,6 +23,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+
+	"github.com/encgate/encgate/gateway"
 )
 
 const (
@@ -30,7 +33,17 @@ const (
 	// nonroot is the uid:gid the image runs as (the "nonroot" user of the
 	// distroless images; no /etc/passwd entry is needed for a numeric user).
 	nonroot = "65532:65532"
+
+	// containerConfigSrc is the gateway config the image carries, from the
+	// module root; configInImage is where it sits in the image, and the
+	// default Cmd runs the gateway on it.
+	containerConfigSrc = "configs/gateway-containers.yaml"
+	configInImage      = "/etc/encgate/gateway.yaml"
 )
+
+// defaultCmd is the image's Cmd: with the entrypoint /encgate, a bare
+// `docker run IMAGE` runs the gateway on the config the image carries.
+var defaultCmd = []string{"gateway", "--config", configInImage}
 
 // archMachine maps the GOARCH values this program builds for to the ELF
 // machine a linux binary for them has. Their OCI architecture names are the
@@ -201,18 +214,60 @@ type imageSpec struct {
 	Version  string    // org.opencontainers.image.version
 	Revision string    // org.opencontainers.image.revision; "" leaves it out
 	Created  time.Time // config created time and every file's mtime
+	Config   []byte    // the gateway config at configInImage
+	Ports    []string  // ExposedPorts, "8080/tcp"...: the config's listeners
 }
 
-// layerTar is the image's only layer, uncompressed: /encgate and /tmp.
-// Every header field is fixed (owner root, mtime created), so the same
-// binary gives the same bytes.
+// containerConfig reads the config the image carries (containerConfigSrc
+// under root), loads it as `encgate gateway --check` would, and returns its
+// bytes and the ports its listeners take ("8080/tcp", ...), which the image
+// exposes. A listener bound to one address (127.0.0.1, the defaults) is
+// refused: a published port reaches the container's own interface, never
+// its loopback, so such a gateway would be unreachable.
+func containerConfig(root string) ([]byte, []string, error) {
+	path := filepath.Join(root, containerConfigSrc)
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg, err := gateway.LoadConfig(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: %w", containerConfigSrc, err)
+	}
+	var ports []string
+	for _, l := range []struct{ key, addr string }{
+		{"listen", cfg.Listen},
+		{"admin_listen", cfg.AdminListen},
+		{"bootstrap.listen", cfg.Bootstrap.Listen},
+	} {
+		if l.addr == "" { // bootstrap off
+			continue
+		}
+		host, port, err := net.SplitHostPort(l.addr)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s: %s %q: %w", containerConfigSrc, l.key, l.addr, err)
+		}
+		if host != "" && host != "0.0.0.0" && host != "::" {
+			return nil, nil, fmt.Errorf("%s: %s %q is one address only, unreachable through a published port: the image's config must listen on all interfaces (0.0.0.0)",
+				containerConfigSrc, l.key, l.addr)
+		}
+		ports = append(ports, port+"/tcp")
+	}
+	return raw, ports, nil
+}
+
+// layerTar is the image's only layer, uncompressed: /encgate, the gateway
+// config at /etc/encgate/gateway.yaml and /tmp. Every header field is fixed
+// (owner root, mtime created), so the same binary and config give the same
+// bytes. The config is world-readable (the image runs as 65532) and owned
+// by root, so the gateway cannot change it.
 //
 // /tmp is an empty, world-writable, sticky directory. `encgate gateway`
 // and `encgate agent` do not need it (the agent makes its temporary socket
 // directory next to the configured socket path); `encgate demo` does
 // (os.MkdirTemp), and so would a debugging session or a future feature. In
 // Kubernetes with readOnlyRootFilesystem it should be an emptyDir anyway.
-func layerTar(bin []byte, created time.Time) ([]byte, error) {
+func layerTar(bin, config []byte, created time.Time) ([]byte, error) {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	hdrs := []struct {
@@ -220,6 +275,9 @@ func layerTar(bin []byte, created time.Time) ([]byte, error) {
 		body []byte
 	}{
 		{tar.Header{Typeflag: tar.TypeReg, Name: "encgate", Mode: 0o755, Size: int64(len(bin))}, bin},
+		{tar.Header{Typeflag: tar.TypeDir, Name: "etc/", Mode: 0o755}, nil},
+		{tar.Header{Typeflag: tar.TypeDir, Name: "etc/encgate/", Mode: 0o755}, nil},
+		{tar.Header{Typeflag: tar.TypeReg, Name: strings.TrimPrefix(configInImage, "/"), Mode: 0o644, Size: int64(len(config))}, config},
 		{tar.Header{Typeflag: tar.TypeDir, Name: "tmp/", Mode: 0o1777}, nil}, // 01000 is the sticky bit
 	}
 	for _, e := range hdrs {
@@ -250,7 +308,10 @@ func buildImage(binPath string, s imageSpec) (v1.Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	raw, err := layerTar(bin, s.Created)
+	if len(s.Config) == 0 || len(s.Ports) == 0 {
+		return nil, errors.New("no container config (containerConfig) in the image spec")
+	}
+	raw, err := layerTar(bin, s.Config, s.Created)
 	if err != nil {
 		return nil, err
 	}
@@ -273,7 +334,7 @@ func buildImage(binPath string, s imageSpec) (v1.Image, error) {
 		History: v1.History{
 			Created:   v1.Time{Time: s.Created},
 			CreatedBy: "go run ./deploy/image",
-			Comment:   "static encgate binary (CGO_ENABLED=0) at /encgate, empty /tmp",
+			Comment:   "static encgate binary (CGO_ENABLED=0) at /encgate, " + containerConfigSrc + " at " + configInImage + ", empty /tmp",
 		},
 	})
 	if err != nil {
@@ -297,11 +358,17 @@ func buildImage(binPath string, s imageSpec) (v1.Image, error) {
 	if s.Revision != "" {
 		labels["org.opencontainers.image.revision"] = s.Revision
 	}
+	exposed := make(map[string]struct{}, len(s.Ports))
+	for _, p := range s.Ports {
+		exposed[p] = struct{}{}
+	}
 	cf.Config = v1.Config{
-		Entrypoint: []string{"/encgate"},
-		User:       nonroot,
-		WorkingDir: "/",
-		Labels:     labels,
+		Entrypoint:   []string{"/encgate"},
+		Cmd:          append([]string(nil), defaultCmd...),
+		ExposedPorts: exposed,
+		User:         nonroot,
+		WorkingDir:   "/",
+		Labels:       labels,
 	}
 	return mutate.ConfigFile(img, cf)
 }

@@ -97,6 +97,7 @@ type readBack struct {
 	cfg      *v1.ConfigFile
 	entries  map[string]*tar.Header // the layer's entries by name
 	bin      []byte                 // the layer's /encgate
+	config   []byte                 // the layer's /etc/encgate/gateway.yaml
 }
 
 func readTarball(t *testing.T, path string) readBack {
@@ -139,9 +140,14 @@ func readTarball(t *testing.T, path string) readBack {
 			t.Errorf("layer has %q twice", h.Name)
 		}
 		r.entries[h.Name] = h
-		if h.Name == "encgate" {
+		switch h.Name {
+		case "encgate":
 			if r.bin, err = io.ReadAll(tr); err != nil {
 				t.Fatalf("layer tar: encgate: %v", err)
+			}
+		case "etc/encgate/gateway.yaml":
+			if r.config, err = io.ReadAll(tr); err != nil {
+				t.Fatalf("layer tar: %s: %v", h.Name, err)
 			}
 		}
 	}
@@ -198,11 +204,22 @@ func TestImageTarball(t *testing.T) {
 		if !slices.Equal(c.Entrypoint, []string{"/encgate"}) {
 			t.Errorf("Entrypoint %q, want [/encgate]", c.Entrypoint)
 		}
-		if len(c.Cmd) != 0 {
-			t.Errorf("Cmd %q, want none", c.Cmd)
+		// A bare `docker run IMAGE` runs the gateway on the config the
+		// image carries, rather than printing usage and exiting 2.
+		if want := []string{"gateway", "--config", "/etc/encgate/gateway.yaml"}; !slices.Equal(c.Cmd, want) {
+			t.Errorf("Cmd %q, want %q", c.Cmd, want)
+		}
+		// configs/gateway-containers.yaml listens on 8080 and 9090.
+		var ports []string
+		for p := range c.ExposedPorts {
+			ports = append(ports, p)
+		}
+		slices.Sort(ports)
+		if want := []string{"8080/tcp", "9090/tcp"}; !slices.Equal(ports, want) {
+			t.Errorf("ExposedPorts %q, want %q (listen and admin_listen of configs/gateway-containers.yaml)", ports, want)
 		}
 		if c.User != "65532:65532" {
-			t.Errorf("User %q, want 65532:65532", c.User)
+			t.Errorf("User %q, want 65532:65532 (non-root)", c.User)
 		}
 		if c.WorkingDir != "/" {
 			t.Errorf("WorkingDir %q, want /", c.WorkingDir)
@@ -238,14 +255,37 @@ func TestImageTarball(t *testing.T) {
 	})
 
 	t.Run("layer", func(t *testing.T) {
-		if len(r.entries) != 2 {
-			names := make([]string, 0, len(r.entries))
-			for n := range r.entries {
-				names = append(names, n)
-			}
-			t.Errorf("layer entries %q, want exactly encgate and tmp/", names)
+		want := []string{"encgate", "etc/", "etc/encgate/", "etc/encgate/gateway.yaml", "tmp/"}
+		names := make([]string, 0, len(r.entries))
+		for n := range r.entries {
+			names = append(names, n)
+		}
+		slices.Sort(names)
+		if !slices.Equal(names, want) {
+			t.Errorf("layer entries %q, want exactly %q", names, want)
 		}
 		mtime := time.Unix(testEpoch, 0)
+		for _, n := range []string{"etc/", "etc/encgate/", "etc/encgate/gateway.yaml"} {
+			h := r.entries[n]
+			if h == nil {
+				continue
+			}
+			typ, mode := byte(tar.TypeDir), int64(0o755)
+			if n == "etc/encgate/gateway.yaml" {
+				typ, mode = tar.TypeReg, 0o644
+			}
+			if h.Typeflag != typ || h.Mode != mode || h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(mtime) {
+				t.Errorf("%s: type %c mode %o uid %d gid %d mtime %v, want type %c mode %o owned by 0:0 at %v",
+					n, h.Typeflag, h.Mode, h.Uid, h.Gid, h.ModTime, typ, mode, mtime.UTC())
+			}
+		}
+		src, err := os.ReadFile(filepath.Join("..", "..", "configs", "gateway-containers.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(r.config, src) {
+			t.Errorf("/etc/encgate/gateway.yaml (%d bytes) is not configs/gateway-containers.yaml (%d bytes)", len(r.config), len(src))
+		}
 		if h := r.entries["encgate"]; h == nil {
 			t.Error("layer has no encgate")
 		} else {
@@ -300,7 +340,9 @@ func TestImageTarball(t *testing.T) {
 	})
 
 	// Loading into a container engine changes its image store, so it is
-	// opt-in: ENCGATE_IMAGE_LOAD_TEST=1 with docker or podman working.
+	// opt-in: ENCGATE_IMAGE_LOAD_TEST=1 with docker or podman working. It
+	// loads the tarball and runs the gateway the image's Cmd starts
+	// (runEngine).
 	t.Run("engine load", func(t *testing.T) {
 		if os.Getenv("ENCGATE_IMAGE_LOAD_TEST") != "1" {
 			t.Skip("set ENCGATE_IMAGE_LOAD_TEST=1 to docker/podman load the tarball")
@@ -322,10 +364,7 @@ func TestImageTarball(t *testing.T) {
 		if !strings.Contains(string(out), "ghcr.io/encgate/encgate:dev") {
 			t.Errorf("%s load output does not name the tag:\n%s", engine, out)
 		}
-		out, err = exec.Command(engine, "run", "--rm", "ghcr.io/encgate/encgate:dev", "version").CombinedOutput()
-		if err != nil || !strings.HasPrefix(string(out), "encgate ") {
-			t.Errorf("%s run ... version: %v\n%s", engine, err, out)
-		}
+		runEngine(t, engine, "ghcr.io/encgate/encgate:dev")
 	})
 }
 
@@ -398,6 +437,7 @@ func TestUsageErrors(t *testing.T) {
 		{"bad version", []string{"--out", out, "--version", "1 2"}, "", `bad version "1 2"`},
 		{"bad epoch", []string{"--out", out}, "-5", `SOURCE_DATE_EPOCH="-5"`},
 		{"extra arg", []string{"--out", out, "extra"}, "", `unexpected argument "extra"`},
+		{"bad format", []string{"--out", out, "--format", "tar"}, "", `unknown --format "tar"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("SOURCE_DATE_EPOCH", tc.epoch)

@@ -1,15 +1,20 @@
 // Command image builds the encgate container image without a container
 // engine: it compiles a static encgate binary (CGO off) and assembles an
 // image from scratch with github.com/google/go-containerregistry, then
-// writes it as a tarball that `docker load` and `podman load` accept.
+// writes it as a tarball that `docker load` and `podman load` accept: a
+// docker-archive (the default) or, with --format oci, an OCI image layout.
 //
-//	go run ./deploy/image --out encgate.tar [--arch amd64] [--version v1.2.3] [--tag REF]
+//	go run ./deploy/image --out encgate.tar [--format docker|oci] [--arch amd64] [--version v1.2.3] [--tag REF]
 //	docker load -i encgate.tar        # or: podman load -i encgate.tar
+//	docker run --rm --ulimit nofile=16384:16384 -p 8080:8080 -p 9090:9090 ghcr.io/encgate/encgate:dev
 //
 // Nothing is downloaded: there is no base image. The image holds /encgate
-// (entrypoint ["/encgate"], user 65532:65532) and an empty /tmp. The build
-// is reproducible: the same sources, toolchain, flags and SOURCE_DATE_EPOCH
-// give the same image digest.
+// (entrypoint ["/encgate"], user 65532:65532), the gateway config
+// configs/gateway-containers.yaml at /etc/encgate/gateway.yaml (validated
+// here; Cmd ["gateway", "--config", "/etc/encgate/gateway.yaml"], its
+// listeners' ports exposed) and an empty /tmp. The build is reproducible:
+// the same sources, toolchain, flags and SOURCE_DATE_EPOCH give the same
+// image digest.
 package main
 
 import (
@@ -23,6 +28,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"syscall"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -46,11 +52,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("image", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	out := fs.String("out", "", "image tarball `file` to write (required)")
+	format := fs.String("format", formatDocker, "tarball `format`: "+formatDocker+" (docker-archive, for docker load and podman load) or "+formatOCI+" (an OCI image layout: oci-layout, index.json, blobs/sha256/...; podman load, docker load since Docker 25, skopeo oci-archive:)")
 	arch := fs.String("arch", runtime.GOARCH, "target `GOARCH` (linux only): "+supportedArchs())
 	versionFlag := fs.String("version", "", "encgate `version` baked into the binary and labels (default: `git describe --always --dirty`, else dev)")
 	tagFlag := fs.String("tag", "", "image `reference` recorded in the tarball (default "+defaultRepo+":<--version, or dev>)")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: go run ./deploy/image --out FILE [--arch GOARCH] [--version V] [--tag REF]\n\n")
+		fmt.Fprintf(stderr, "usage: go run ./deploy/image --out FILE [--format docker|oci] [--arch GOARCH] [--version V] [--tag REF]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -65,6 +72,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if *out == "" {
 		fmt.Fprintln(stderr, "image: --out is required")
+		return 2
+	}
+	if *format != formatDocker && *format != formatOCI {
+		fmt.Fprintf(stderr, "image: unknown --format %q (%s or %s)\n", *format, formatDocker, formatOCI)
 		return 2
 	}
 	if err := checkArch(*arch); err != nil {
@@ -116,6 +127,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 
+	config, ports, err := containerConfig(root)
+	if err != nil {
+		fmt.Fprintln(stderr, "image:", err)
+		return 1
+	}
+
 	tmp, err := os.MkdirTemp("", "encgate-image-")
 	if err != nil {
 		fmt.Fprintln(stderr, "image:", err)
@@ -128,7 +145,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "image:", err)
 		return 1
 	}
-	spec := imageSpec{Arch: *arch, Version: version, Revision: gitHead(ctx, root), Created: created}
+	spec := imageSpec{Arch: *arch, Version: version, Revision: gitHead(ctx, root), Created: created,
+		Config: config, Ports: ports}
 	img, err := buildImage(bin, spec)
 	if err != nil {
 		fmt.Fprintln(stderr, "image:", err)
@@ -144,12 +162,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "image:", err)
 		return 1
 	}
-	size, err := writeTarball(*out, tag, img)
+	size, err := writeTarball(*out, *format, tag, img, created)
 	if err != nil {
 		fmt.Fprintln(stderr, "image:", err)
 		return 1
 	}
 	fmt.Fprintf(stdout, "wrote %s (%d bytes)\n", *out, size)
+	fmt.Fprintf(stdout, "  format   %s\n", *format)
 	fmt.Fprintf(stdout, "  tag      %s\n", tag.String())
 	fmt.Fprintf(stdout, "  version  %s (linux/%s)\n", version, *arch)
 	fmt.Fprintf(stdout, "  digest   %s\n", digest)
@@ -157,20 +176,29 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// writeTarball writes img tagged tag to out through a temporary file in the
-// same directory, so a failed run never leaves a truncated tarball at out.
-// It returns the file's size.
-func writeTarball(out string, tag name.Tag, img v1.Image) (int64, error) {
+// writeTarball writes img tagged tag to out in format through a temporary
+// file in the same directory, so a failed run never leaves a truncated
+// tarball at out. It returns the file's size.
+func writeTarball(out, format string, tag name.Tag, img v1.Image, created time.Time) (int64, error) {
 	dir := filepath.Dir(out)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(out)+".*")
 	if err != nil {
 		return 0, err
 	}
 	tmp := f.Name()
-	_ = f.Close()
-	if err := tarball.WriteToFile(tmp, tag, img); err != nil {
+	var werr error
+	if format == formatOCI {
+		werr = ociArchive(f, tag, img, created)
+		if cerr := f.Close(); werr == nil {
+			werr = cerr
+		}
+	} else {
+		_ = f.Close()
+		werr = tarball.WriteToFile(tmp, tag, img)
+	}
+	if werr != nil {
 		_ = os.Remove(tmp)
-		return 0, fmt.Errorf("write %s: %w", out, err)
+		return 0, fmt.Errorf("write %s: %w", out, werr)
 	}
 	// CreateTemp makes the file 0600; an image tarball is not a secret.
 	if err := os.Chmod(tmp, 0o644); err != nil {

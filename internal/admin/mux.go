@@ -23,8 +23,12 @@ type Registry interface {
 type Options struct {
 	// Registry is what /metrics serves.
 	Registry Registry
-	// Ready answers /readyz: 200 "ready" while it is true, else 503.
+	// Ready answers /readyz: 200 "ready" while it is true (and Checks
+	// pass), else 503; /readyz?verbose lists it as the "shutdown" check.
 	Ready func() bool
+	// Checks, when set, are the other conditions /readyz?verbose lists
+	// (readyz.go); only those not Advisory make /readyz fail.
+	Checks func() []Check
 	// Token is admin.token as it is now ("": the protected routes are
 	// open); it is read per request, so a reload changes it at once.
 	Token func() string
@@ -48,13 +52,7 @@ func NewMux(o Options) (mux *http.ServeMux, protect func(pattern string, h http.
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !o.Ready() {
-			http.Error(w, "not ready", http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = w.Write([]byte("ready\n"))
-	})
+	mux.HandleFunc("GET /readyz", serveReadyz(o))
 	protect("GET /debug/pprof/", pprof.Index)
 	protect("GET /debug/pprof/cmdline", pprof.Cmdline)
 	protect("GET /debug/pprof/profile", pprof.Profile)

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -61,5 +62,54 @@ func TestMuxGuardsWhatItMust(t *testing.T) {
 	token = "" // admin.token unset by a reload: open at once
 	if code, body, _ := get("/admin/x", ""); code != http.StatusOK || body != "x" {
 		t.Errorf("GET /admin/x with no token configured: %d %q", code, body)
+	}
+}
+
+// TestReadyzVerbose: /readyz?verbose lists each check, "[+]name ok" or
+// "[-]name failed: reason", in plain text; only a failing check that is not
+// advisory makes /readyz (verbose or not) answer 503.
+func TestReadyzVerbose(t *testing.T) {
+	var ready atomic.Bool
+	var store, gate error
+	mux, _ := NewMux(Options{Registry: prometheus.NewRegistry(), Ready: ready.Load, Token: func() string { return "" },
+		Checks: func() []Check {
+			return []Check{{Name: "dedupe_store", Err: store, Advisory: true}, {Name: "gate", Err: gate}}
+		}})
+	get := func(path string) (int, string, string) {
+		w := httptest.NewRecorder()
+		mux.ServeHTTP(w, httptest.NewRequest(http.MethodGet, path, nil))
+		return w.Code, w.Body.String(), w.Header().Get("Content-Type")
+	}
+	for _, tc := range []struct {
+		name       string
+		ready      bool
+		store      error
+		gate       error
+		code       int
+		plain      string
+		verboseOut string
+	}{
+		{"all pass", true, nil, nil, 200, "ready\n",
+			"[+]shutdown ok\n[+]dedupe_store ok\n[+]gate ok\nreadyz check passed\n"},
+		{"advisory fails", true, errors.New("redis claim: dial tcp 127.0.0.1:1:\nconnection refused"), nil, 200, "ready\n",
+			"[+]shutdown ok\n[-]dedupe_store failed: redis claim: dial tcp 127.0.0.1:1: connection refused (advisory: readiness does not depend on it)\n[+]gate ok\nreadyz check passed\n"},
+		{"gate fails", true, nil, errors.New("closed"), 503, "not ready\n",
+			"[+]shutdown ok\n[+]dedupe_store ok\n[-]gate failed: closed\nreadyz check failed\n"},
+		{"draining", false, nil, nil, 503, "not ready\n",
+			"[-]shutdown failed: not serving: starting, or draining after SIGTERM\n[+]dedupe_store ok\n[+]gate ok\nreadyz check failed\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ready.Store(tc.ready)
+			store, gate = tc.store, tc.gate
+			if code, body, _ := get("/readyz"); code != tc.code || body != tc.plain {
+				t.Errorf("/readyz: %d %q, want %d %q", code, body, tc.code, tc.plain)
+			}
+			for _, q := range []string{"?verbose", "?verbose=1"} {
+				code, body, ctype := get("/readyz" + q)
+				if code != tc.code || body != tc.verboseOut || ctype != "text/plain; charset=utf-8" {
+					t.Errorf("/readyz%s: %d %s %q, want %d text/plain %q", q, code, ctype, body, tc.code, tc.verboseOut)
+				}
+			}
+		})
 	}
 }
