@@ -94,9 +94,12 @@ const CountersTemplate = `{{define "counters"}}{{range .}}<h2>{{.Title}}</h2>
 {{end}}{{end}}`
 
 // Parse parses a page's template with the counters template, the style
-// (as the template function style) and funcs.
+// (as the template function style), the units (UnitFuncs) and funcs.
 func Parse(name, page string, funcs template.FuncMap) *template.Template {
 	f := template.FuncMap{"style": func() template.CSS { return template.CSS(Style) }}
+	for k, v := range UnitFuncs {
+		f[k] = v
+	}
 	for k, v := range funcs {
 		f[k] = v
 	}
@@ -106,6 +109,15 @@ func Parse(name, page string, funcs template.FuncMap) *template.Template {
 // Write renders t with data and serves it: HTML, never cached, loading
 // nothing from elsewhere, never framed.
 func Write(w http.ResponseWriter, t *template.Template, data any) {
+	writePage(w, http.StatusOK, t, data)
+}
+
+// CSP is the pages' Content-Security-Policy: nothing loaded from anywhere
+// (inline styles and inline SVG are part of the page), forms posted only
+// to the listener itself, never framed.
+const CSP = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+
+func writePage(w http.ResponseWriter, status int, t *template.Template, data any) {
 	var buf bytes.Buffer
 	if err := t.Execute(&buf, data); err != nil {
 		http.Error(w, "status page: "+err.Error(), http.StatusInternalServerError)
@@ -113,6 +125,7 @@ func Write(w http.ResponseWriter, t *template.Template, data any) {
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
-	w.Header().Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'")
+	w.Header().Set("Content-Security-Policy", CSP)
+	w.WriteHeader(status)
 	_, _ = w.Write(buf.Bytes())
 }
