@@ -213,7 +213,8 @@ func heldPollExpired(v *Verdict) bool { return v.Kind == KindTimeout && v.Cause 
 // attempt is one exchange of c with t, judged once; the breaker is told
 // the verdict's Mark when it admitted the exchange.
 func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline time.Time, v *Verdict) {
-	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(p.clk.Now()))
+	start := p.clk.Now()
+	timeout := min(pol.PerTryTimeout.D(), deadline.Sub(start))
 	if t.failedReg > 0 {
 		timeout = min(timeout, t.failedReg)
 	}
@@ -253,6 +254,7 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 		}
 		req.SetBodyRaw(c.Body)
 		err := t.do(req, c.Resp, timeout)
+		end := p.clk.Now()
 		fasthttp.ReleaseRequest(req)
 		o := Observation{Err: err}
 		if err == nil {
@@ -262,8 +264,13 @@ func (p *Pool) attempt(c *Call, t *target, f *fleet, pol *RetryPolicy, deadline 
 			p.meta.finish(fl, c.Resp, o)
 		}
 		*v = Judge(c.Route, pol, f.set.Breaker.Ignore, t.name, o)
+		// Timed: what was sent, long polls left out (the encoder holds
+		// them as long as it likes).
+		if !t.poll && v.Kind != KindRefused && t.enc.latency != nil {
+			t.enc.latency.Observe(end.Sub(start).Seconds())
+		}
 		if !t.name.Agent {
-			t.enc.learn(c.Route, v, o.Body, p.clk.Now())
+			t.enc.learn(c.Route, v, o.Body, end)
 		}
 	}
 	if admitted {
