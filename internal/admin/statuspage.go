@@ -82,7 +82,10 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .open, .down, .no, .failed { background: #f7d4d4; }
 .half_open, .draining, .joining, .staging, .ack_only { background: #fbeec5; }
 .muted { color: #777; }
-pre { background: #f7f7f7; padding: .6em; overflow-x: auto; max-width: 100%; }`
+pre { background: #f7f7f7; padding: .6em; overflow-x: auto; max-width: 100%; }
+form.signout { float: right; }
+details > summary { cursor: pointer; font-weight: 600; margin: 1.4em 0 .4em; }
+td.spark { padding: .1em .3em; }`
 
 // CountersTemplate renders []Group as one table per family; a page's
 // template includes it with {{template "counters" .Counters}}.

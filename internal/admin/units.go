@@ -137,6 +137,20 @@ func trimZeros(s string) string {
 	return s
 }
 
+// HumanCount writes a count to three significant digits past a thousand
+// (12.3k, 4.56M), whole below.
+func HumanCount(v float64) string {
+	switch a := math.Abs(v); {
+	case a >= 1e9:
+		return sig3(v/1e9) + "G"
+	case a >= 1e6:
+		return sig3(v/1e6) + "M"
+	case a >= 1e3:
+		return sig3(v/1e3) + "k"
+	}
+	return strconv.FormatFloat(math.Round(v), 'f', 0, 64)
+}
+
 // UnitFuncs are the template functions of a page's units: bytes,
 // duration, seconds, rate and percent.
 var UnitFuncs = template.FuncMap{
@@ -145,4 +159,5 @@ var UnitFuncs = template.FuncMap{
 	"seconds":  HumanSeconds,
 	"rate":     HumanRate,
 	"percent":  HumanPercent,
+	"count":    HumanCount,
 }
