@@ -12,14 +12,16 @@ import (
 	"html/template"
 	"net/http"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 )
 
-// Family is a metric the page shows as a table.
-type Family struct{ Title, Name string }
+// Family is a metric the page shows as a table. Unit "bytes" writes its
+// values in binary multiples (HumanBytes); otherwise they are whole numbers.
+type Family struct{ Title, Name, Unit string }
 
 // Group is one family's series.
 type Group struct {
@@ -28,10 +30,12 @@ type Group struct {
 	Rows   []Row
 }
 
-// Row is one series: its labels as "k=v, k=v" and its value.
+// Row is one series: its labels as "k=v, k=v", its value, and the value
+// as the page writes it.
 type Row struct {
 	Labels string
 	Value  float64
+	Text   string
 }
 
 // Gather reads fams from g, in the order given; a family with no series
@@ -60,7 +64,11 @@ func Gather(g prometheus.Gatherer, fams []Family) []Group {
 				case m.GetHistogram() != nil:
 					v = float64(m.GetHistogram().GetSampleCount())
 				}
-				grp.Rows = append(grp.Rows, Row{Labels: strings.Join(labels, ", "), Value: v})
+				text := strconv.FormatFloat(v, 'f', 0, 64)
+				if sf.Unit == "bytes" {
+					text = HumanBytes(int64(v))
+				}
+				grp.Rows = append(grp.Rows, Row{Labels: strings.Join(labels, ", "), Value: v, Text: text})
 			}
 		}
 		sort.Slice(grp.Rows, func(i, j int) bool { return grp.Rows[i].Labels < grp.Rows[j].Labels })
@@ -92,7 +100,7 @@ td.spark { padding: .1em .3em; }`
 const CountersTemplate = `{{define "counters"}}{{range .}}<h2>{{.Title}}</h2>
 <table class="counter" data-metric="{{.Metric}}">
 <tr><th>labels</th><th>value</th></tr>
-{{range .Rows}}<tr><td>{{if .Labels}}{{.Labels}}{{else}}<span class="muted">(none)</span>{{end}}</td><td class="num">{{printf "%.0f" .Value}}</td></tr>{{else}}<tr><td colspan="2" class="muted">none yet</td></tr>{{end}}
+{{range .Rows}}<tr><td>{{if .Labels}}{{.Labels}}{{else}}<span class="muted">(none)</span>{{end}}</td><td class="num">{{.Text}}</td></tr>{{else}}<tr><td colspan="2" class="muted">none yet</td></tr>{{end}}
 </table>
 {{end}}{{end}}`
 

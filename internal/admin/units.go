@@ -151,10 +151,25 @@ func HumanCount(v float64) string {
 	return strconv.FormatFloat(math.Round(v), 'f', 0, 64)
 }
 
+// bytesOf is HumanBytes of any integer a page holds.
+func bytesOf(n any) string {
+	switch v := n.(type) {
+	case int:
+		return HumanBytes(int64(v))
+	case int64:
+		return HumanBytes(v)
+	case uint64:
+		return HumanBytes(int64(min(v, math.MaxInt64)))
+	case float64:
+		return HumanBytes(int64(v))
+	}
+	return fmt.Sprint(n)
+}
+
 // UnitFuncs are the template functions of a page's units: bytes,
 // duration, seconds, rate and percent.
 var UnitFuncs = template.FuncMap{
-	"bytes":    func(n int64) string { return HumanBytes(n) },
+	"bytes":    bytesOf,
 	"duration": HumanDuration,
 	"seconds":  HumanSeconds,
 	"rate":     HumanRate,
