@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"regexp"
 	"strings"
@@ -202,5 +203,41 @@ func TestStatusPageRatesOnTheClock(t *testing.T) {
 	clk.Advance(30 * time.Second)
 	if got := statusCell(t, page(), "enc-0", "rps"); got != "0/s" {
 		t.Errorf("enc-0 after a quiet minute: %q, want 0/s", got)
+	}
+}
+
+// Beside a breaker that is open but not ejected (max_ejected_percent kept
+// the encoder in service) the page says so, not how many failures came in
+// a row; an ejected one shows its ejection in human units; ejections show
+// how long ago the last was.
+func TestStatusPageBreakerText(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	row := func(name string, b upstream.BreakerView, last time.Time) encoderRow {
+		return encoderRow{EncoderState: upstream.EncoderState{Name: name, Breaker: b}, Rates: encRates{RPS: math.NaN(),
+			ErrFrac: math.NaN(), P50: math.NaN(), P99: math.NaN()}, LastEjected: last}
+	}
+	v := statusView{Now: now, Encoders: []encoderRow{
+		row("kept", upstream.BreakerView{State: "open", Trips: 2, ConsecutiveFailures: 7, Ejections: 1}, now.Add(-90*time.Second)),
+		row("ejected", upstream.BreakerView{State: "open", Ejected: true, Trips: 3, Ejections: 3, EjectionSeconds: 120,
+			EjectedUntil: now.Add(time.Minute)}, now.Add(-time.Minute)),
+		row("fine", upstream.BreakerView{State: "closed", ConsecutiveFailures: 2}, time.Time{}),
+	}}
+	var b strings.Builder
+	if err := statusPage.Execute(&b, v); err != nil {
+		t.Fatal(err)
+	}
+	page := b.String()
+	for _, want := range []string{
+		`breaker open">open</span> <span class="muted">(not ejected: trip 2 kept in service by max_ejected_percent)</span>`,
+		`(ejected: trip 3, for 2m, until `,
+		`breaker closed">closed</span> <span class="muted">(2 failures in a row)</span>`,
+		`last 1m30s ago`, `<span class="muted">never</span>`,
+	} {
+		if !strings.Contains(page, want) {
+			t.Errorf("the page lacks %q", want)
+		}
+	}
+	if strings.Contains(page, "7 failures in a row") {
+		t.Error("an open breaker's row counts failures in a row")
 	}
 }
