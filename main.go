@@ -275,7 +275,7 @@ func runGateway(args []string, stdout, stderr io.Writer) int {
 	redis.SetLogger(redisclient.NewLogger(log))
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level})
+	srv, err := gateway.New(cfg, gateway.Deps{Log: log, Registry: reg, Level: &level, Version: version})
 	if err != nil {
 		log.Error("building gateway", zap.Error(err))
 		if _, ok := errors.AsType[*listener.DescriptorError](err); ok {

@@ -15,15 +15,19 @@ import (
 // has (internal/admin: /metrics, /healthz, /readyz, pprof), and the
 // gateway's own behind admin.token, read from the live config per request.
 func (s *Server) adminMux() *http.ServeMux {
-	mux, protected := admin.NewMux(admin.Options{
-		Registry: s.reg,
-		Ready:    s.ready.Load,
-		Checks:   func() []admin.Check { return []admin.Check{s.dedupeCheck()} },
-		Token:    func() string { return s.conf().Admin.Required() },
-		Realm:    "encgate admin",
-		Refused:  func(*http.Request, bearer.Outcome) { s.metrics.adminUnauthorized.Inc() },
+	mux, protected, page := admin.NewMux(admin.Options{
+		Registry:   s.reg,
+		Ready:      s.ready.Load,
+		Checks:     func() []admin.Check { return []admin.Check{s.dedupeCheck()} },
+		Token:      func() string { return s.conf().Admin.Required() },
+		Realm:      "encgate admin",
+		Refused:    func(*http.Request, bearer.Outcome) { s.metrics.adminUnauthorized.Inc() },
+		SessionTTL: func() time.Duration { return s.conf().Admin.SessionTTL.D() },
+		Clock:      s.clk,
+		Cookie:     "encgate_admin",
+		Title:      "encgate",
 	})
-	protected("GET /{$}", s.serveStatus) // the status page (status.go)
+	page("GET /{$}", s.serveStatus) // the status page (status.go)
 	protected("GET /admin/upstreams", s.serveUpstreams)
 	protected("GET /admin/sends/{req_id}", s.serveSendRecord)
 	protected("GET /admin/registrations", s.serveRegistrations)

@@ -192,6 +192,7 @@ func DefaultConfig() Config {
 			MaxConns:    admin.DefaultMaxConns,
 			ReadTimeout: configfile.Duration(10e9),
 			IdleTimeout: configfile.Duration(120e9),
+			SessionTTL:  configfile.Duration(admin.DefaultSessionTTL),
 		},
 		Shutdown: ShutdownConfig{Shutdown: configfile.Shutdown{Grace: configfile.Duration(30e9)}},
 		Log:      configfile.Log{Level: "info"},

@@ -12,6 +12,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/encgate/encgate/internal/configfile"
 	"github.com/encgate/encgate/internal/redisclient"
 	"github.com/encgate/encgate/internal/secretfile/secretfiletest"
 	"github.com/encgate/encgate/upstream"
@@ -64,6 +65,9 @@ func TestValidate(t *testing.T) {
 		{"short admin token", func(c *Config) { c.Admin.Token = "hunter2" }, []string{"admin.token: must be at least 16 characters, got 7"}},
 		{"admin token with a space", func(c *Config) { c.Admin.Token = "correct horse battery staple" },
 			[]string{"admin.token: must use only letters, digits and -._~+/"}},
+		{"session ttl", func(c *Config) { c.Admin.SessionTTL = 0 }, []string{"admin.session_ttl: must be between 1m and 720h0m0s, got 0s"}},
+		{"long session ttl", func(c *Config) { c.Admin.SessionTTL = configfile.Duration(31 * 24 * time.Hour) },
+			[]string{"admin.session_ttl: must be between 1m and 720h0m0s, got 744h0m0s"}},
 		{"log level", func(c *Config) { c.Log.Level = "loud" }, []string{`log.level: must be debug, info, warn or error, got "loud"`}},
 		{"several at once", func(c *Config) { c.Listen = ""; c.Shutdown.Grace = 0 }, []string{"listen:", "shutdown.grace: must be > 0"}},
 	}

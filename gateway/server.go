@@ -62,8 +62,10 @@ type Server struct {
 	recent  admin.Recent     // the gateway's own latest failure answers, for the status page
 	started time.Time
 
-	poller *poller.Poller // watches parked exchanges' sockets (park.go); nil: none park
-	parked sync.WaitGroup // parked exchanges not yet answered, waited for by Shutdown
+	poller  *poller.Poller // watches parked exchanges' sockets (park.go); nil: none park
+	parked  sync.WaitGroup // parked exchanges not yet answered, waited for by Shutdown
+	version string
+	rates   statusSampler // the status page's rates (status.go)
 }
 
 // Registry is where a gateway registers its metrics and what its /metrics
@@ -97,6 +99,9 @@ type Deps struct {
 	// Entropy is where the instance id of the hop mark (internal/loopguard) is drawn
 	// from; nil means crypto/rand.
 	Entropy io.Reader
+	// Version is what the status page names the build ("" means the
+	// module version or VCS commit the go command stamped).
+	Version string
 }
 
 // New builds a gateway from a validated config. First it makes sure that
@@ -156,7 +161,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	s := &Server{poller: pool.Poller(), kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
 	s.snap.Store(&cfg)
-	s.started = clk.Now()
+	s.started, s.version = clk.Now(), deps.Version
 	if s.loop, err = loopguard.New(deps.Entropy, deps.Registry); err != nil {
 		pool.Close()
 		_ = s.closeStore()
@@ -264,6 +269,7 @@ func (s *Server) Start() error {
 		return err
 	}
 	s.conns.Listener, s.adconns.Listener = ln, adln
+	s.startStatusSampler() // before the admin listener serves the page
 	go func() { s.done <- s.srv.Serve(listener.Framing{Listener: tcpconn.Listener{Listener: s.conns}}) }()
 	go func() {
 		if err := s.admin.Serve(s.adconns); !errors.Is(err, http.ErrServerClosed) {
@@ -334,6 +340,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.conns.Wait()
 	aerr := s.admin.Shutdown(ctx)
 	s.adconns.Wait()
+	s.rates.stop()
 	berr := s.fleet.Stop(ctx)
 	s.pool.Close()
 	serr := s.closeStore()

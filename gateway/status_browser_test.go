@@ -8,9 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/cdproto/cdp"
+	"github.com/chromedp/cdproto/network"
 	"github.com/chromedp/chromedp"
+	"go.uber.org/zap"
 
 	"github.com/encgate/encgate/fakeencoder"
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/testtool"
 )
 
@@ -24,10 +28,15 @@ func browserPath() string {
 	return ""
 }
 
-// A person opening the status page in a real (headless) browser sees each
-// encoder by name, the open breaker shown as open, and the suppression
-// counter /metrics has. With ENCGATE_STATUS_SCREENSHOT=FILE it also saves
-// a screenshot of the page there (bench/results/status-page.png is one).
+// A person opening the status page in a real (headless) browser signs in
+// through its form (a wrong token does not sign in; the session cookie is
+// HttpOnly and SameSite=Strict), then sees the version, each encoder by
+// name with its rates and p99, the open breaker shown as open, and the
+// suppression counter /metrics has; after more traffic the rates move; the
+// page loads nothing from elsewhere; signing out shows the form again. The
+// gateway runs on a fake clock, so the rates are exact. With
+// ENCGATE_STATUS_SCREENSHOT=FILE it also saves a screenshot of the page
+// there (bench/results/status-page.png is one).
 func TestStatusPageInABrowser(t *testing.T) {
 	browser := browserPath()
 	if browser == "" {
@@ -38,10 +47,14 @@ func TestStatusPageInABrowser(t *testing.T) {
 			o.Faults = fakeencoder.Faults{FailureRate: 1, FailRoutes: []string{"/encode"}}
 		}
 	})
-	g := startGateway(t, fakeURLs(encs), func(c *Config) {
+	const token = "browser-admin-token-0123456789"
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	g := startGatewayDeps(t, fakeURLs(encs), func(c *Config) {
 		c.Breaker.ConsecutiveFailures = 1
 		c.Affinity.UnknownWait = 0
-	})
+		c.Admin.Token = token
+	}, zap.NewNop(), clk)
+	clk.Advance(10 * time.Second) // the rates' window: 10 s since start
 	bad := ownedBy(t, g, "enc-2", "broken")
 	if a := post(t, g.base+"/encode", encodeBody(bad)); a.status == 200 {
 		t.Fatalf("/encode on the failing encoder: %d", a.status)
@@ -62,7 +75,7 @@ func TestStatusPageInABrowser(t *testing.T) {
 	}
 
 	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(browser),
-		chromedp.NoSandbox, chromedp.DisableGPU, chromedp.UserDataDir(t.TempDir()), chromedp.WindowSize(1400, 1000))
+		chromedp.NoSandbox, chromedp.DisableGPU, chromedp.UserDataDir(t.TempDir()), chromedp.WindowSize(1600, 1000))
 	actx, cancelA := chromedp.NewExecAllocator(context.Background(), opts...)
 	defer cancelA()
 	ctx, cancel := chromedp.NewContext(actx)
@@ -76,22 +89,63 @@ func TestStatusPageInABrowser(t *testing.T) {
 			t.Fatalf("%s in %s: %v", what, browser, err)
 		}
 	}
+	do := func(what string, steps ...chromedp.Action[chromedp.Void]) {
+		t.Helper()
+		run(what, func() error { return chromedp.Do(ctx, steps...) })
+	}
+	text := func(what, sel string) (s string) {
+		t.Helper()
+		run(what, func() (err error) { s, err = chromedp.Run(ctx, chromedp.Text(chromedp.CSS(sel))); return err })
+		return strings.TrimSpace(s)
+	}
+	cookies := func() (out []*network.Cookie) {
+		t.Helper()
+		run("the cookies", func() (err error) {
+			out, err = chromedp.Run(ctx, func(ctx context.Context, tg *chromedp.Target) ([]*network.Cookie, error) {
+				res, err := cdp.Call(ctx, tg, network.GetCookies, network.GetCookiesParams{URLs: []string{g.admin + "/"}})
+				return res.Cookies, err
+			})
+			return err
+		})
+		return out
+	}
+
+	// Not signed in: the form. A wrong token shows it again, with an error,
+	// and sets no cookie.
+	do("navigate", chromedp.Navigate(g.admin+"/"), chromedp.WaitVisible(chromedp.CSS("#signin")))
+	do("a wrong token", chromedp.SendKeys(chromedp.CSS("#token"), "wrong-admin-token-0123456789"),
+		chromedp.Click(chromedp.CSS(`#signin button[type=submit]`)), chromedp.WaitVisible(chromedp.CSS("#signin-error")))
+	if c := cookies(); len(c) != 0 {
+		t.Errorf("a wrong token set cookies: %+v", c)
+	}
+	do("the token", chromedp.SendKeys(chromedp.CSS("#token"), token),
+		chromedp.Click(chromedp.CSS(`#signin button[type=submit]`)), chromedp.WaitVisible(chromedp.CSS("#encoders")))
+	jar := cookies()
+	if len(jar) != 1 || !jar[0].HTTPOnly || jar[0].SameSite != network.CookieSameSiteStrict || jar[0].Path != "/" ||
+		!strings.HasPrefix(jar[0].Name, "encgate_admin_") || strings.Contains(jar[0].Value, token) {
+		for _, c := range jar {
+			t.Logf("cookie %+v", *c)
+		}
+		t.Fatalf("after signing in: %d cookies, want one HttpOnly, SameSite=Strict session cookie", len(jar))
+	}
+
 	var names []string
-	var breaker2, dupText, title string
+	var title string
 	var shot []byte
-	run("navigate", func() error { _, err := chromedp.Run(ctx, chromedp.Navigate(g.admin+"/")); return err })
-	run("wait for the encoders", func() error { _, err := chromedp.Run(ctx, chromedp.WaitVisible(chromedp.CSS("#encoders"))); return err })
 	run("title", func() (err error) { title, err = chromedp.Run(ctx, chromedp.Title()); return err })
 	run("encoder names", func() (err error) {
 		names, err = chromedp.Run(ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("#encoders tr[data-encoder] td:first-child")].map(td => td.innerText)`))
 		return err
 	})
-	run("enc-2's breaker", func() (err error) {
-		breaker2, err = chromedp.Run(ctx, chromedp.Text(chromedp.CSS(`tr[data-encoder="enc-2"] .breaker`)))
-		return err
-	})
-	run("the suppression table", func() (err error) {
-		dupText, err = chromedp.Run(ctx, chromedp.Text(chromedp.CSS(`table[data-metric="encgate_send_duplicates_suppressed_total"]`)))
+	breaker2 := text("enc-2's breaker", `tr[data-encoder="enc-2"] .breaker`)
+	dupText := text("the suppression table", `table[data-metric="encgate_send_duplicates_suppressed_total"]`)
+	version := text("the version", "#version")
+	rps0 := text("enc-0's rate", `tr[data-encoder="enc-0"] td.rps`)
+	p99 := text("enc-0's p99", `tr[data-encoder="enc-0"] td.p99`)
+	dupRate := text("the suppression rate", `#dups tr[data-dup="replay"] td.num`)
+	var resources []string
+	run("the resources loaded", func() (err error) {
+		resources, err = chromedp.Run(ctx, chromedp.Evaluate[[]string](`performance.getEntriesByType("resource").map(e => e.name)`))
 		return err
 	})
 	run("screenshot", func() (err error) { shot, err = chromedp.Run(ctx, chromedp.FullScreenshot(100)); return err })
@@ -101,11 +155,25 @@ func TestStatusPageInABrowser(t *testing.T) {
 	if strings.Join(names, ",") != "enc-0,enc-1,enc-2" {
 		t.Errorf("encoders seen: %v, want enc-0, enc-1, enc-2", names)
 	}
-	if strings.TrimSpace(breaker2) != "open" {
+	if breaker2 != "open" {
 		t.Errorf("enc-2's breaker reads %q, want open", breaker2)
 	}
+	if version != buildVersion("") {
+		t.Errorf("the version reads %q, want %q", version, buildVersion(""))
+	}
+	// enc-0 took 3 /encodes and 3 /sends (the duplicates suppressed) in
+	// 10 s; the fake clock stood still through each.
+	if rps0 != "0.6/s" || p99 != "990µs" {
+		t.Errorf("enc-0 reads %s, p99 %s; want 0.6/s, p99 990µs", rps0, p99)
+	}
+	if dupRate != "0.6/s" {
+		t.Errorf("duplicates suppressed (replay) read %q, want 0.6/s (6 in 10 s)", dupRate)
+	}
+	if len(resources) != 0 {
+		t.Errorf("the page loaded %v", resources)
+	}
 	// What the page shows is what /metrics has.
-	m := do(t, "GET", g.admin+"/metrics", "").body
+	m := doWith(t, "GET", g.admin+"/metrics", "", nil).body
 	for _, l := range strings.Split(m, "\n") {
 		if !strings.HasPrefix(l, "encgate_send_duplicates_suppressed_total{") {
 			continue
@@ -118,6 +186,25 @@ func TestStatusPageInABrowser(t *testing.T) {
 	}
 	if !strings.Contains(m, "encgate_send_duplicates_suppressed_total{") {
 		t.Error("/metrics counted no suppressed duplicate")
+	}
+
+	// More traffic 10 s later: 14 /encodes more on enc-0 in 20 s is 1/s.
+	clk.Advance(10 * time.Second)
+	for i := 0; i < 14; i++ {
+		id := ownedBy(t, g, "enc-0", "more-"+string(rune('a'+i)))
+		if a := post(t, g.base+"/encode", encodeBody(id)); a.status != 200 {
+			t.Fatalf("/encode %s: %d %s", id, a.status, a.body)
+		}
+	}
+	do("reload", chromedp.Reload(), chromedp.WaitVisible(chromedp.CSS("#encoders")))
+	if got := text("enc-0's rate after traffic", `tr[data-encoder="enc-0"] td.rps`); got != "1/s" {
+		t.Errorf("enc-0 after 14 more /encodes reads %q, want 1/s (was %s)", got, rps0)
+	}
+
+	// Signing out shows the form again and deletes the cookie.
+	do("sign out", chromedp.Click(chromedp.CSS(`#signout button[type=submit]`)), chromedp.WaitVisible(chromedp.CSS("#signin")))
+	if c := cookies(); len(c) != 0 {
+		t.Errorf("after signing out: cookies %+v", c)
 	}
 	if out := os.Getenv("ENCGATE_STATUS_SCREENSHOT"); out != "" {
 		if err := os.WriteFile(out, shot, 0o644); err != nil {

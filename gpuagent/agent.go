@@ -387,7 +387,7 @@ func (a *Agent) dialer(timeout time.Duration) *net.Dialer {
 // adminMux serves the agent's admin listener: the routes every admin
 // listener has (internal/admin), and the agent's own behind admin.token.
 func (a *Agent) adminMux() *http.ServeMux {
-	mux, protected := admin.NewMux(admin.Options{
+	mux, protected, page := admin.NewMux(admin.Options{
 		Registry: a.reg,
 		Ready:    a.ready.Load,
 		Token:    func() string { return a.cfg.Admin.Token },
@@ -398,8 +398,11 @@ func (a *Agent) adminMux() *http.ServeMux {
 				c.Write(zap.String("door", "admin"), zap.String("path", r.URL.Path), zap.String("remote", r.RemoteAddr))
 			}
 		},
+		Clock:  a.clk,
+		Cookie: "encgate_agent_admin",
+		Title:  "encgate agent",
 	})
-	protected("GET /{$}", a.serveStatus) // the status page (status.go)
+	page("GET /{$}", a.serveStatus) // the status page (status.go)
 	protected("GET /admin/staged", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, a.store.snapshot(a.clk.Now()))
 	})

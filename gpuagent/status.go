@@ -21,7 +21,7 @@ var agentStatusPage = admin.Parse("agent-status", agentStatusHTML, nil)
 // agentStatusFamilies are the counters the page shows, in order.
 var agentStatusFamilies = []admin.Family{
 	{Title: "Transfers, by result", Name: "encgate_agent_transfers_total"},
-	{Title: "Bytes transferred", Name: "encgate_agent_transfer_bytes_total"},
+	{Title: "Bytes transferred", Name: "encgate_agent_transfer_bytes_total", Unit: "bytes"},
 	{Title: "Acks, by result", Name: "encgate_agent_acks_total"},
 	{Title: "Requests, by route and code", Name: "encgate_agent_requests_total"},
 	{Title: "Refused for want of a token, by door", Name: "encgate_agent_unauthorized_total"},
@@ -32,6 +32,7 @@ var agentStatusFamilies = []admin.Family{
 type agentStatusView struct {
 	Now         time.Time
 	Ready       bool
+	SignedIn    bool // through the session cookie: the page offers sign-out
 	HeldBytes   int64
 	Capacity    int64
 	Entries     []StagedEntry
@@ -45,11 +46,11 @@ type agentStatusView struct {
 // /admin/staged has them all).
 const agentStatusMaxEntries = 200
 
-func (a *Agent) serveStatus(w http.ResponseWriter, _ *http.Request) {
+func (a *Agent) serveStatus(w http.ResponseWriter, r *http.Request) {
 	now := a.clk.Now()
 	held, _ := a.store.usage()
 	entries := a.store.snapshot(now)
-	v := agentStatusView{Now: now, Ready: a.ready.Load(), HeldBytes: held, Capacity: int64(a.cfg.Staging.CapacityBytes),
+	v := agentStatusView{Now: now, Ready: a.ready.Load(), SignedIn: admin.SignedIn(r), HeldBytes: held, Capacity: int64(a.cfg.Staging.CapacityBytes),
 		Counters: admin.Gather(a.reg, agentStatusFamilies), Refresh: 5, ShownMax: agentStatusMaxEntries}
 	if len(entries) > agentStatusMaxEntries {
 		v.EntriesMore = len(entries) - agentStatusMaxEntries

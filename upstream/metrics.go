@@ -26,9 +26,10 @@ type poolMetrics struct {
 	skipped     *prometheus.CounterVec // encoder
 	ejection    *prometheus.GaugeVec   // encoder
 
-	requests        *prometheus.CounterVec // encoder, route, code
-	retries         *prometheus.CounterVec // route, reason
-	budgetExhausted *prometheus.CounterVec // route
+	requests        *prometheus.CounterVec   // encoder, route, code
+	duration        *prometheus.HistogramVec // encoder
+	retries         *prometheus.CounterVec   // route, reason
+	budgetExhausted *prometheus.CounterVec   // route
 	backoff         prometheus.Histogram
 
 	metaShared *prometheus.CounterVec // how
@@ -111,6 +112,11 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 			Name: "encgate_upstream_requests_total",
 			Help: "Exchanges with encoders, by encoder, route and status code; code is dial_error, stale, timeout, error or refused when no answer came.",
 		}, []string{"encoder", "route", "code"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "encgate_upstream_request_duration_seconds",
+			Help:    "Time from sending an exchange to an encoder to reading its answer (or its failure), by encoder; long polls (metadata pulls and registrations of a part not known encoded, which an encoder may hold) are left out.",
+			Buckets: prometheus.ExponentialBucketsRange(0.001, 120, 18),
+		}, []string{"encoder"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "encgate_retries_total",
 			Help: "Retries sent to encoders, by route and reason (connect_failure, timeout, status_<code>).",
@@ -133,7 +139,7 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 		Name: "encgate_upstream_parked",
 		Help: "Attempts whose request is out and whose answer the encoder has not begun, parked: watched by the poller with no goroutine of their own (long polls: metadata pulls and registrations).",
 	})
-	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.parked)
+	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.duration, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.parked)
 	m.metaShared.WithLabelValues(SharedInflight)
 	m.metaShared.WithLabelValues(SharedAnswered)
 	for _, r := range sglang.RetryLabels {
@@ -211,6 +217,11 @@ func (m *poolMetrics) track(e *Encoder) {
 	m.healthy.WithLabelValues(e.Name).Set(up)
 }
 
+// latency returns name's exchange duration histogram (creating it).
+func (m *poolMetrics) latency(name string) prometheus.Observer {
+	return m.duration.WithLabelValues(name)
+}
+
 // refusals returns name's refusal counters (creating both series).
 func (m *poolMetrics) refusals(name string) (inflight, conns prometheus.Counter) {
 	return m.refused.WithLabelValues(name, RefusedMaxInflight), m.refused.WithLabelValues(name, RefusedMaxConns)
@@ -243,6 +254,7 @@ func (m *poolMetrics) forget(e *Encoder) {
 	m.outcomes.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.transitions.DeletePartialMatch(prometheus.Labels{"encoder": name})
 	m.requests.DeletePartialMatch(prometheus.Labels{"encoder": name})
+	m.duration.DeleteLabelValues(name)
 	m.hot.Range(func(k, _ any) bool {
 		if k.(hotKey).encoder == name {
 			m.hot.Delete(k)

@@ -59,6 +59,7 @@ type Encoder struct {
 	gen      atomic.Uint32         // Generation, as the config last said (a reload changes it in place)
 	learned  learned               // what its answers taught (learn.go)
 	outcomes [4]prometheus.Counter // encgate_breaker_outcomes_total by Mark; nil outside a pool
+	latency  prometheus.Observer   // encgate_upstream_request_duration_seconds; nil outside a pool
 
 	// polls counts the long polls among inflight: metadata pulls and
 	// registrations of a part not known encoded (target.poll).
@@ -562,6 +563,7 @@ func (p *Pool) newEncoder(ec EncoderConfig, set Settings, agentToken string) (*E
 	e.refusedInflight, e.refusedConns = p.m.refusals(ec.Name)
 	e.refusedPolls, e.pollsGauge = p.m.pollSeries(ec.Name)
 	e.outcomes = p.m.outcomeCounters(ec.Name)
+	e.latency = p.m.latency(ec.Name)
 	e.self = hostClient{host: u.Host, scheme: u.Scheme, url: ec.URL, client: newClient(ec.Name, u, set.Client)}
 	e.Breaker = NewBreaker(ec.Name, set.Breaker, p.clk, BreakerHooks{
 		OnChange: func(_ string, from, to BreakerState) { p.breakerChanged(e, from, to) },

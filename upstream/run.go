@@ -23,8 +23,9 @@ type run struct {
 	budget   *Budget
 	deadline time.Time // the route's, from the call's start
 	res      Result
-	n        int    // the attempt in progress, from 1
-	t        target // its target
+	n        int       // the attempt in progress, from 1
+	t        target    // its target
+	tryStart time.Time // when it began, for encgate_upstream_request_duration_seconds
 
 	// The attempt in flight while it is parked: what finishing it needs.
 	fl       *metaFlight // the metadata flight it leads, if any
@@ -127,7 +128,8 @@ func (r *run) after() bool {
 // parked: resume finishes it.
 func (r *run) attempt() bool {
 	p, c, t, v := r.p, r.c, &r.t, &r.res.Verdict
-	timeout := min(r.pol.PerTryTimeout.D(), r.deadline.Sub(p.clk.Now()))
+	r.tryStart = p.clk.Now()
+	timeout := min(r.pol.PerTryTimeout.D(), r.deadline.Sub(r.tryStart))
 	if t.failedReg > 0 {
 		timeout = min(timeout, t.failedReg)
 	}
@@ -209,6 +211,7 @@ func (r *run) resume(sent *sentRequest) bool {
 // it.
 func (r *run) exchanged(err error) {
 	p, c, t := r.p, r.c, &r.t
+	end := p.clk.Now()
 	o := Observation{Err: err}
 	if err == nil {
 		o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
@@ -219,8 +222,13 @@ func (r *run) exchanged(err error) {
 	}
 	v := &r.res.Verdict
 	*v = Judge(c.Route, r.pol, r.f.set.Breaker.Ignore, t.name, o)
+	// Timed: what was sent, long polls left out (the encoder holds them
+	// as long as it likes).
+	if !t.poll && v.Kind != KindRefused && t.enc.latency != nil {
+		t.enc.latency.Observe(end.Sub(r.tryStart).Seconds())
+	}
 	if !t.name.Agent {
-		t.enc.learn(c.Route, v, o.Body, p.clk.Now())
+		t.enc.learn(c.Route, v, o.Body, end)
 	}
 }
 

@@ -3,6 +3,7 @@ package admin
 import (
 	"fmt"
 	"net/http"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -27,6 +28,12 @@ type Config struct {
 	// rewriting it (a rotated Kubernetes Secret) and reloading applies the
 	// new token; a file that cannot be read refuses the reload.
 	TokenFile string `yaml:"token_file" reload:"live"`
+	// SessionTTL is how long a sign-in to the status page lasts (default
+	// 12h; at most 720h): a browser cannot send a bearer header, so the
+	// page's form takes the token and sets a session cookie that expires
+	// after this long, or at once when the token changes. A reload applies
+	// it to the sign-ins that follow.
+	SessionTTL configfile.Duration `yaml:"session_ttl" reload:"live"`
 	// MaxConns bounds open connections to the admin listener (default 64;
 	// 1 to 65536): a few scrapers, the probes and an operator need far
 	// fewer, and without a bound idle admin connections can take every
@@ -92,6 +99,9 @@ func (a Config) Validate(p *configfile.Problems, path string) {
 	}
 	p.Positive(path+".read_timeout", a.ReadTimeout)
 	p.Positive(path+".idle_timeout", a.IdleTimeout)
+	if d := a.SessionTTL.D(); d < time.Minute || d > MaxSessionTTL {
+		p.Addf(path+".session_ttl", "must be between 1m and %s, got %s", MaxSessionTTL, d)
+	}
 	switch {
 	case a.Token != "" && a.TokenFile != "":
 		p.Addf(path+".token_file", "set at most one of token and token_file")

@@ -18,7 +18,7 @@ func TestMuxGuardsWhatItMust(t *testing.T) {
 	var ready atomic.Bool
 	token := "s3cret-admin-token-0123"
 	var refused []bearer.Outcome
-	mux, protect := NewMux(Options{Registry: prometheus.NewRegistry(), Ready: ready.Load,
+	mux, protect, _ := NewMux(Options{Registry: prometheus.NewRegistry(), Ready: ready.Load,
 		Token: func() string { return token }, Realm: "test admin",
 		Refused: func(_ *http.Request, o bearer.Outcome) { refused = append(refused, o) }})
 	protect("GET /admin/x", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "x") })
@@ -71,7 +71,7 @@ func TestMuxGuardsWhatItMust(t *testing.T) {
 func TestReadyzVerbose(t *testing.T) {
 	var ready atomic.Bool
 	var store, gate error
-	mux, _ := NewMux(Options{Registry: prometheus.NewRegistry(), Ready: ready.Load, Token: func() string { return "" },
+	mux, _, _ := NewMux(Options{Registry: prometheus.NewRegistry(), Ready: ready.Load, Token: func() string { return "" },
 		Checks: func() []Check {
 			return []Check{{Name: "dedupe_store", Err: store, Advisory: true}, {Name: "gate", Err: gate}}
 		}})

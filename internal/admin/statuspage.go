@@ -12,14 +12,16 @@ import (
 	"html/template"
 	"net/http"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 )
 
-// Family is a metric the page shows as a table.
-type Family struct{ Title, Name string }
+// Family is a metric the page shows as a table. Unit "bytes" writes its
+// values in binary multiples (HumanBytes); otherwise they are whole numbers.
+type Family struct{ Title, Name, Unit string }
 
 // Group is one family's series.
 type Group struct {
@@ -28,10 +30,12 @@ type Group struct {
 	Rows   []Row
 }
 
-// Row is one series: its labels as "k=v, k=v" and its value.
+// Row is one series: its labels as "k=v, k=v", its value, and the value
+// as the page writes it.
 type Row struct {
 	Labels string
 	Value  float64
+	Text   string
 }
 
 // Gather reads fams from g, in the order given; a family with no series
@@ -60,7 +64,11 @@ func Gather(g prometheus.Gatherer, fams []Family) []Group {
 				case m.GetHistogram() != nil:
 					v = float64(m.GetHistogram().GetSampleCount())
 				}
-				grp.Rows = append(grp.Rows, Row{Labels: strings.Join(labels, ", "), Value: v})
+				text := strconv.FormatFloat(v, 'f', 0, 64)
+				if sf.Unit == "bytes" {
+					text = HumanBytes(int64(v))
+				}
+				grp.Rows = append(grp.Rows, Row{Labels: strings.Join(labels, ", "), Value: v, Text: text})
 			}
 		}
 		sort.Slice(grp.Rows, func(i, j int) bool { return grp.Rows[i].Labels < grp.Rows[j].Labels })
@@ -82,21 +90,27 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .open, .down, .no, .failed { background: #f7d4d4; }
 .half_open, .draining, .joining, .staging, .ack_only { background: #fbeec5; }
 .muted { color: #777; }
-pre { background: #f7f7f7; padding: .6em; overflow-x: auto; max-width: 100%; }`
+pre { background: #f7f7f7; padding: .6em; overflow-x: auto; max-width: 100%; }
+form.signout { float: right; }
+details > summary { cursor: pointer; font-weight: 600; margin: 1.4em 0 .4em; }
+td.spark { padding: .1em .3em; }`
 
 // CountersTemplate renders []Group as one table per family; a page's
 // template includes it with {{template "counters" .Counters}}.
 const CountersTemplate = `{{define "counters"}}{{range .}}<h2>{{.Title}}</h2>
 <table class="counter" data-metric="{{.Metric}}">
 <tr><th>labels</th><th>value</th></tr>
-{{range .Rows}}<tr><td>{{if .Labels}}{{.Labels}}{{else}}<span class="muted">(none)</span>{{end}}</td><td class="num">{{printf "%.0f" .Value}}</td></tr>{{else}}<tr><td colspan="2" class="muted">none yet</td></tr>{{end}}
+{{range .Rows}}<tr><td>{{if .Labels}}{{.Labels}}{{else}}<span class="muted">(none)</span>{{end}}</td><td class="num">{{.Text}}</td></tr>{{else}}<tr><td colspan="2" class="muted">none yet</td></tr>{{end}}
 </table>
 {{end}}{{end}}`
 
 // Parse parses a page's template with the counters template, the style
-// (as the template function style) and funcs.
+// (as the template function style), the units (UnitFuncs) and funcs.
 func Parse(name, page string, funcs template.FuncMap) *template.Template {
 	f := template.FuncMap{"style": func() template.CSS { return template.CSS(Style) }}
+	for k, v := range UnitFuncs {
+		f[k] = v
+	}
 	for k, v := range funcs {
 		f[k] = v
 	}
@@ -106,6 +120,15 @@ func Parse(name, page string, funcs template.FuncMap) *template.Template {
 // Write renders t with data and serves it: HTML, never cached, loading
 // nothing from elsewhere, never framed.
 func Write(w http.ResponseWriter, t *template.Template, data any) {
+	writePage(w, http.StatusOK, t, data)
+}
+
+// CSP is the pages' Content-Security-Policy: nothing loaded from anywhere
+// (inline styles and inline SVG are part of the page), forms posted only
+// to the listener itself, never framed.
+const CSP = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+
+func writePage(w http.ResponseWriter, status int, t *template.Template, data any) {
 	var buf bytes.Buffer
 	if err := t.Execute(&buf, data); err != nil {
 		http.Error(w, "status page: "+err.Error(), http.StatusInternalServerError)
@@ -113,6 +136,7 @@ func Write(w http.ResponseWriter, t *template.Template, data any) {
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
-	w.Header().Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'")
+	w.Header().Set("Content-Security-Policy", CSP)
+	w.WriteHeader(status)
 	_, _ = w.Write(buf.Bytes())
 }
