@@ -217,6 +217,7 @@ rss_kb() { # VmRSS of $1 and its children, kB
   echo "$sum"
 }
 start_proxy() { # name round -> PROXY_PID (none for direct)
+  [ "$1" = direct ] || ! listening "${PORT_OF[$1]}" || die "port ${PORT_OF[$1]} is taken by another process; set PORT_BASE to a free range"
   case $1 in
     direct) return 0 ;;
     encgate) GOMAXPROCS=1 $SRV "$TMP/encgate" gateway --config "$TMP/gateway.yaml" >"$TMP/$1-$2.log" 2>&1 & ;;
