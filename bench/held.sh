@@ -47,6 +47,10 @@
 #   HOLD         extra seconds to hold before the release            [0]
 #                (over ~25, encgate's metadata per_try_timeout of 30 s
 #                ends tries, and past the retry budget clients get 504)
+#   UNKNOWN_WAIT encgate's affinity.unknown_wait: an unpinned pull waits
+#                that long for a pin, on a goroutine, before it is
+#                forwarded and can park; /encode goes straight to the
+#                fake here, so every pull is unpinned  [unset: the 5s default]
 #   RELEASE_C    pulls released at once (each worker waits for its
 #                pull's answer before the next)                      [1]
 #   PORT_BASE    first of 5 loopback ports (fake, encgate, encgate
@@ -71,7 +75,7 @@ ROOT=$PWD
 
 N=${N:-4000} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0} RELEASE_C=${RELEASE_C:-1}
 PORT_BASE=${PORT_BASE:-19200} KEEP_TMP=${KEEP_TMP:-0}
-RESULTS=${RESULTS:-$ROOT/bench/results/held.md}
+RESULTS=${RESULTS:-$ROOT/bench/results/held.md} UNKNOWN_WAIT=${UNKNOWN_WAIT:-}
 
 die() { echo "held.sh: FAIL: $*" >&2; exit 1; }
 trap 'echo "held.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
@@ -81,6 +85,7 @@ for v in N ROUNDS SETTLE HOLD RELEASE_C PORT_BASE; do [[ ${!v} =~ ^[0-9]+$ ]] ||
 ((N >= 1 && N <= 8000)) || die "N must be 1..8000 (each proxy's 2N+ descriptors must fit a 20000 RLIMIT_NOFILE)"
 ((ROUNDS >= 1 && ROUNDS <= 9)) || die "ROUNDS must be 1..9"
 ((RELEASE_C >= 1 && RELEASE_C <= 64)) || die "RELEASE_C must be 1..64"
+[[ -z $UNKNOWN_WAIT || $UNKNOWN_WAIT =~ ^[0-9]+(ms|s)$ ]] || die "UNKNOWN_WAIT must be a duration like 0s, 100ms or 5s, got '$UNKNOWN_WAIT'"
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 (($(ulimit -n) >= 2 * N + 1200)) || die "RLIMIT_NOFILE $(ulimit -n) is too small for N=$N (raise the hard limit)"
 
@@ -139,6 +144,7 @@ limits:
 log:
   level: warn
 EOF
+[ -z "$UNKNOWN_WAIT" ] || printf 'affinity:\n  unknown_wait: %s\n' "$UNKNOWN_WAIT" >>"$TMP/gateway.yaml"
 # "encgate (unparked)": the same but for limits.park_long_polls.
 sed 's/^limits:$/limits:\n  park_long_polls: false/' "$TMP/gateway.yaml" >"$TMP/gateway-unparked.yaml"
 grep -q '^  park_long_polls: false$' "$TMP/gateway-unparked.yaml" || die "could not write gateway-unparked.yaml"
@@ -373,7 +379,7 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own), go through the proxy; once the fake holds all $N, the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake, $RELEASE_C at a time (each waits for its pull's answer before the next), and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. A pull's latency is from just before its /encode is written to its client having read the whole answer; \`direct\` is the same release with the clients on the fake itself, so a proxy's added latency is its p50 (p99) minus direct's. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
   echo
   echo "- versions: encgate $git_v, $(go version | awk '{print $3}'), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v 2>&1 | awk 'NR == 1')"
-  echo "- encgate: defaults (affinity.unknown_wait 5s: an unpinned pull waits that long before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
+  echo "- encgate: defaults but affinity.unknown_wait ${UNKNOWN_WAIT:-5s} (the default 5s unless UNKNOWN_WAIT: an unpinned pull waits that long, on a goroutine, before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
   echo "- encgate (unparked): the same with limits.park_long_polls false."
   echo
   cat "$table"
