@@ -1,7 +1,7 @@
 // Command heldclient is bench/held.sh's client: it holds many metadata pulls
 // open through a proxy and publishes their metadata on the fake encoder.
 //
-//	heldclient hold   -addr HOST:PORT -n N -prefix P [-timeout D]
+//	heldclient hold   -addr HOST:PORT -n N -prefix P [-timeout D] [-release FAKE -rc C]
 //	heldclient encode -addr HOST:PORT -n N -prefix P [-c C]
 //
 // hold opens N connections to addr, one at a time with a few in flight,
@@ -17,6 +17,18 @@
 // A summary of what was not ok goes to stderr. Exit 0 only when all N are ok
 // and none came early.
 //
+// With -release FAKE, hold releases the pulls itself after the stdin line
+// (no encode run needed): C workers (-rc, 1 by default: one pull at a time)
+// each take the next req_id in order, read the clock (t0) just before
+// writing its POST /encode to FAKE on a keep-alive connection of their own,
+// read the /encode answer, and wait for that pull's answer before taking the
+// next; the pull's reader reads the clock (t1) once it has read the answer's
+// whole body. So at most C pulls are being answered at once and the figure is
+// the latency a pull's answer takes through the proxy, not a queue. Before
+// the ok line it prints "latency_us n X p50 P p99 Q max M" over the ok
+// answers' t1 - t0 (nearest rank, microseconds), and "encoded X failed Y".
+// Both times come from this process's monotonic clock.
+//
 // encode sends POST /encode for <P>0 .. <P>N-1 over C keep-alive
 // connections and prints "encoded X failed Y"; exit 0 only when all N
 // answered 200.
@@ -31,6 +43,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -54,11 +67,13 @@ func main() {
 	prefix := fs.String("prefix", "held-", "req_id prefix; req_ids are <prefix><i>")
 	timeout := fs.Duration("timeout", 60*time.Second, "hold: wait this long for the answers after the stdin line")
 	conc := fs.Int("c", 32, "encode: connections in parallel; hold: dials in flight")
+	release := fs.String("release", "", "hold: after the stdin line, POST /encode for each req_id to this address (the fake) and time each pull's answer")
+	rc := fs.Int("rc", 1, "hold with -release: pulls released at once (each worker waits for its pull's answer before the next)")
 	_ = fs.Parse(os.Args[2:])
 	var ok bool
 	switch os.Args[1] {
 	case "hold":
-		ok = hold(*addr, *n, *prefix, *timeout, *conc)
+		ok = hold(*addr, *n, *prefix, *timeout, *conc, *release, *rc)
 	case "encode":
 		ok = encode(*addr, *n, *prefix, *conc)
 	default:
@@ -97,11 +112,16 @@ type answer struct {
 	kind  string // "ok", "wrong", "missing"
 	why   string
 	early bool
+	at    time.Time // when the whole answer had been read (zero if none)
 }
 
-func hold(addr string, n int, prefix string, timeout time.Duration, dials int) bool {
+func hold(addr string, n int, prefix string, timeout time.Duration, dials int, release string, rc int) bool {
 	var releasedFlag atomic.Bool
 	answers := make([]answer, n)
+	done := make([]chan struct{}, n) // closed once answers[i] is final
+	for i := range done {
+		done[i] = make(chan struct{})
+	}
 	conns := make([]net.Conn, n)
 	var readers sync.WaitGroup
 	sem := make(chan struct{}, max(dials, 1))
@@ -123,6 +143,7 @@ func hold(addr string, n int, prefix string, timeout time.Duration, dials int) b
 				dialErrs.Add(1)
 				firstErr.CompareAndSwap(nil, err.Error())
 				answers[i] = answer{kind: "missing", why: "dial/write: " + err.Error()}
+				close(done[i])
 				if c != nil {
 					c.Close()
 				}
@@ -132,6 +153,7 @@ func hold(addr string, n int, prefix string, timeout time.Duration, dials int) b
 			readers.Add(1)
 			go func() {
 				defer readers.Done()
+				defer close(done[i])
 				answers[i] = read(c, id)
 				answers[i].early = !releasedFlag.Load()
 			}()
@@ -151,7 +173,14 @@ func hold(addr string, n int, prefix string, timeout time.Duration, dials int) b
 			_ = c.SetReadDeadline(deadline)
 		}
 	}
+	var sent []time.Time
+	if release != "" {
+		sent = releaseEach(release, n, prefix, rc, deadline, done)
+	}
 	readers.Wait()
+	if sent != nil {
+		reportLatency(answers, sent)
+	}
 	counts := map[string]int{}
 	whys := map[string]int{}
 	early := 0
@@ -180,6 +209,7 @@ func read(c net.Conn, id string) answer {
 		return answer{kind: "missing", why: "no answer: " + err.Error()}
 	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	at := time.Now()
 	resp.Body.Close()
 	if err != nil {
 		return answer{kind: "wrong", why: fmt.Sprintf("%d, body cut: %v", resp.StatusCode, err)}
@@ -194,69 +224,157 @@ func read(c net.Conn, id string) answer {
 	if err := json.Unmarshal(body, &m); err != nil || m.ReqID != id || m.EmbeddingSize <= 0 {
 		return answer{kind: "wrong", why: "200 with another body: " + clip(body)}
 	}
-	return answer{kind: "ok"}
+	return answer{kind: "ok", at: at}
+}
+
+// releaseEach posts /encode for <prefix>0 .. <prefix>n-1 to addr with rc
+// workers, each waiting for its pull's answer (done[i]) before its next, and
+// returns when each was sent (the zero time for one never sent). It prints
+// "encoded X failed Y".
+func releaseEach(addr string, n int, prefix string, rc int, deadline time.Time, done []chan struct{}) []time.Time {
+	sent := make([]time.Time, n)
+	var next, good atomic.Int64
+	var mu sync.Mutex
+	whys := map[string]int{}
+	expired := make(chan struct{})
+	stop := time.AfterFunc(time.Until(deadline), func() { close(expired) })
+	defer stop.Stop()
+	var wg sync.WaitGroup
+	for range max(rc, 1) {
+		wg.Go(func() {
+			var e encoder
+			defer e.close()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(n) {
+					return
+				}
+				if err := e.post(addr, fmt.Sprintf("%s%d", prefix, i), &sent[i]); err != "" {
+					mu.Lock()
+					whys[err]++
+					mu.Unlock()
+				} else {
+					good.Add(1)
+				}
+				select {
+				case <-done[i]:
+				case <-expired:
+					return // the readers' deadline has passed too
+				}
+			}
+		})
+	}
+	wg.Wait()
+	fmt.Printf("encoded %d failed %d\n", good.Load(), int64(n)-good.Load())
+	reportWhys(whys)
+	return sent
+}
+
+// reportLatency prints the ok answers' latency from their /encode being
+// sent to their whole answer read.
+func reportLatency(answers []answer, sent []time.Time) {
+	us := latencies(answers, sent)
+	if len(us) == 0 {
+		fmt.Println("latency_us n 0 p50 0 p99 0 max 0")
+		return
+	}
+	fmt.Printf("latency_us n %d p50 %.0f p99 %.0f max %.0f\n", len(us), rank(us, 0.50), rank(us, 0.99), us[len(us)-1])
+}
+
+// latencies is t1 - t0 in microseconds, sorted, for each answer that is ok,
+// came after the release and whose /encode was sent.
+func latencies(answers []answer, sent []time.Time) []float64 {
+	var us []float64
+	for i, a := range answers {
+		if a.kind == "ok" && !a.early && !sent[i].IsZero() {
+			us = append(us, float64(a.at.Sub(sent[i]).Nanoseconds())/1e3)
+		}
+	}
+	sort.Float64s(us)
+	return us
+}
+
+// rank is the nearest-rank q quantile of sorted xs.
+func rank(xs []float64, q float64) float64 {
+	k := int(math.Ceil(q*float64(len(xs)))) - 1
+	return xs[min(max(k, 0), len(xs)-1)]
+}
+
+// encoder posts /encode requests on one keep-alive connection, dialled on
+// first use and again after an error or a close.
+type encoder struct {
+	c  net.Conn
+	br *bufio.Reader
+}
+
+func (e *encoder) close() {
+	if e.c != nil {
+		e.c.Close()
+		e.c = nil
+	}
+}
+
+// post sends /encode for id and reads its answer; it stores the time just
+// before the request's write in *t0 (when non-nil). It returns "" for a 200,
+// else why not.
+func (e *encoder) post(addr, id string, t0 *time.Time) string {
+	if e.c == nil {
+		c, err := net.DialTimeout("tcp", addr, 10*time.Second)
+		if err != nil {
+			return "dial: " + err.Error()
+		}
+		e.c, e.br = c, bufio.NewReader(c)
+	}
+	body := fmt.Sprintf(`{"req_id":"%s","mm_items":["bench://image-0"],"modality":"IMAGE","num_parts":1,"part_idx":0,"prefill_host":"127.0.0.1","embedding_port":null}`, id)
+	req := request(addr, "/encode", body, true)
+	_ = e.c.SetDeadline(time.Now().Add(30 * time.Second))
+	if t0 != nil {
+		*t0 = time.Now()
+	}
+	_, err := e.c.Write(req)
+	var resp *http.Response
+	if err == nil {
+		resp, err = http.ReadResponse(e.br, nil)
+	}
+	if err != nil {
+		e.close()
+		return "exchange: " + err.Error()
+	}
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || resp.Close {
+		e.close()
+	}
+	switch {
+	case err != nil:
+		return "body: " + err.Error()
+	case resp.StatusCode != http.StatusOK:
+		return fmt.Sprintf("%d %s", resp.StatusCode, clip(b))
+	}
+	return ""
 }
 
 func encode(addr string, n int, prefix string, conc int) bool {
 	var next, good, bad atomic.Int64
 	whys := map[string]int{}
 	var mu sync.Mutex
-	fail := func(why string) {
-		bad.Add(1)
-		mu.Lock()
-		whys[why]++
-		mu.Unlock()
-	}
 	var wg sync.WaitGroup
 	for range max(conc, 1) {
 		wg.Go(func() {
-			var c net.Conn
-			var br *bufio.Reader
-			defer func() {
-				if c != nil {
-					c.Close()
-				}
-			}()
+			var e encoder
+			defer e.close()
 			for {
 				i := next.Add(1) - 1
 				if i >= int64(n) {
 					return
 				}
-				if c == nil {
-					var err error
-					if c, err = net.DialTimeout("tcp", addr, 10*time.Second); err != nil {
-						c = nil
-						fail("dial: " + err.Error())
-						continue
-					}
-					br = bufio.NewReader(c)
-				}
-				body := fmt.Sprintf(`{"req_id":"%s%d","mm_items":["bench://image-0"],"modality":"IMAGE","num_parts":1,"part_idx":0,"prefill_host":"127.0.0.1","embedding_port":null}`, prefix, i)
-				_ = c.SetDeadline(time.Now().Add(30 * time.Second))
-				_, err := c.Write(request(addr, "/encode", body, true))
-				var resp *http.Response
-				if err == nil {
-					resp, err = http.ReadResponse(br, nil)
-				}
-				if err != nil {
-					fail("exchange: " + err.Error())
-					c.Close()
-					c = nil
-					continue
-				}
-				b, err := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				switch {
-				case err != nil:
-					fail("body: " + err.Error())
-				case resp.StatusCode != http.StatusOK:
-					fail(fmt.Sprintf("%d %s", resp.StatusCode, clip(b)))
-				default:
+				if why := e.post(addr, fmt.Sprintf("%s%d", prefix, i), nil); why != "" {
+					bad.Add(1)
+					mu.Lock()
+					whys[why]++
+					mu.Unlock()
+				} else {
 					good.Add(1)
-				}
-				if err != nil || resp.Close {
-					c.Close()
-					c = nil
 				}
 			}
 		})
