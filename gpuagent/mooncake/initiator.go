@@ -483,20 +483,13 @@ func writeV1(ctx context.Context, conn net.Conn, hdr []byte, payload Payload) er
 	}
 }
 
-// sendPayload writes the header and the payload: one writev for bytes in
-// memory (not copied), else the header and then what the payload sends,
-// which must be exactly its Len bytes. A failure of the payload's own (not
-// of a write to conn) is a *PayloadError.
+// sendPayload writes the header and the payload, which must send exactly
+// its Len bytes. The header goes out in one writev with the payload's first
+// write (for bytes in memory, the whole payload), so the peer gets no
+// header-only segment to wake up for, and nothing is copied. A failure of
+// the payload's own (not of a write to conn) is a *PayloadError.
 func sendPayload(ctx context.Context, conn net.Conn, hdr []byte, payload Payload) error {
-	if b, ok := payload.(bytesPayload); ok {
-		bufs := net.Buffers{hdr, b}
-		_, err := bufs.WriteTo(conn)
-		return err
-	}
-	if _, err := conn.Write(hdr); err != nil {
-		return err
-	}
-	w := &payloadWriter{conn: conn, left: payload.Len()}
+	w := &payloadWriter{conn: conn, hdr: hdr, left: payload.Len()}
 	err := payload.Send(ctx, w)
 	switch {
 	case w.err != nil:
@@ -516,11 +509,12 @@ type PayloadError struct{ Err error }
 func (e *PayloadError) Error() string { return "payload: " + e.Err.Error() }
 func (e *PayloadError) Unwrap() error { return e.Err }
 
-// payloadWriter is the connection as a Payload sees it: writes past Len are
-// refused (the peer would read them as the next header), and the first
-// write error is kept.
+// payloadWriter is the connection as a Payload sees it: the request header
+// goes out with the first write, writes past Len are refused (the peer
+// would read them as the next header), and the first write error is kept.
 type payloadWriter struct {
 	conn net.Conn
+	hdr  []byte // not sent yet
 	left int64
 	err  error
 }
@@ -529,9 +523,22 @@ func (w *payloadWriter) Write(p []byte) (int, error) {
 	if int64(len(p)) > w.left {
 		return 0, fmt.Errorf("mooncake: a write of %d bytes past the payload's end (%d left)", len(p), w.left)
 	}
-	n, err := w.conn.Write(p)
+	if w.err != nil {
+		return 0, w.err
+	}
+	var n int
+	var err error
+	if w.hdr != nil {
+		bufs := net.Buffers{w.hdr, p}
+		var m int64
+		m, err = bufs.WriteTo(w.conn) // one writev on a TCP connection
+		n = max(int(m)-len(w.hdr), 0)
+		w.hdr = nil
+	} else {
+		n, err = w.conn.Write(p)
+	}
 	w.left -= int64(n)
-	if err != nil && w.err == nil {
+	if err != nil {
 		w.err = err
 	}
 	return n, err
