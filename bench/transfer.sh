@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # bench/transfer.sh: gpuagent -> Mooncake receiver over loopback for 1, 8 and
 # 64 MiB embeddings, next to a plain Go net.Conn write loop and iperf3, all
-# measured in the same run. Target: agent >= 0.7x the Go loop at 8 and 64 MiB.
+# measured in the same run. Target: agent >= 0.95x the Go loop at 8 and 64 MiB.
 #
 #   (a) agent      BenchmarkAgentTransfer/{1,8,64}MiB (gpuagent/transfer_bench_test.go):
 #                  the embedding is staged once over POST /v1/stage, then every
-#                  iteration is the agent's real HTTP POST /send (keep-alive
-#                  client): sglang's checks, allow_networks, the Mooncake TCP
+#                  iteration is the agent's real HTTP POST /send from a
+#                  keep-alive fasthttp.HostClient, the client the gateway sends
+#                  /send with: sglang's checks, allow_networks, the Mooncake TCP
 #                  initiator writing into a separate Mooncake receiver (v2,
 #                  pooled connection, confirmed by the status frame), 200 null.
 #                  No receive_count, so the entry stays staged.
@@ -141,6 +142,12 @@ gbs() {
 each() {
 	awk -v k="$1" -v s="$2" '$1 == k && $2 == s { printf "%s%.2f", (n++ ? ", " : ""), $3 / 1000 }' "$tmp/results.txt"
 }
+# pairs KIND1 KIND2 SIZE: KIND1 / KIND2 within each round (measured seconds
+# apart, so under nearly the same load from the rest of the machine).
+pairs() {
+	awk -v a="$1" -v b="$2" -v s="$3" '$2 == s && $1 == a { x[++i] = $3 } $2 == s && $1 == b { y[++j] = $3 }
+		END { for (k = 1; k <= i && k <= j; k++) printf "%s%.2f", (k > 1 ? ", " : ""), x[k] / y[k] }' "$tmp/results.txt"
+}
 fmt2() { awk -v x="$1" 'BEGIN { printf "%.2f", x }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 
@@ -150,14 +157,14 @@ ip=$(gbs iperf3 all)
 	echo
 	echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(bench_machine); $ROUNDS rounds, each running agent, initiator, Go loop and iperf3 in turn; medians in GB/s (10^9 bytes/s)."
 	echo
-	echo "| size | agent \`/send\` | \`Initiator.Write\` alone | Go \`net.Conn\` loop | iperf3 | agent / Go loop | agent / iperf3 | target agent >= 0.7x Go loop |"
+	echo "| size | agent \`/send\` | \`Initiator.Write\` alone | Go \`net.Conn\` loop | iperf3 | agent / Go loop | agent / iperf3 | target agent >= 0.95x Go loop |"
 	echo "|---|---:|---:|---:|---:|---:|---:|---|"
 	for s in 1MiB 8MiB 64MiB; do
 		a=$(gbs agent $s) i=$(gbs initiator $s) g=$(gbs goloop $s)
 		ag=$(ratio "$a" "$g")
 		if [[ $s == 1MiB ]]; then
 			t="(not a target at 1 MiB)"
-		elif awk -v x="$ag" 'BEGIN { exit !(x >= 0.7) }'; then
+		elif awk -v x="$ag" 'BEGIN { exit !(x >= 0.95) }'; then
 			t="met"
 		else
 			t="missed"
@@ -167,14 +174,14 @@ ip=$(gbs iperf3 all)
 	echo
 	echo "Every round (GB/s):"
 	echo
-	echo "| size | agent \`/send\` | \`Initiator.Write\` | Go loop |"
-	echo "|---|---|---|---|"
+	echo "| size | agent \`/send\` | \`Initiator.Write\` | Go loop | agent / Go loop, same round |"
+	echo "|---|---|---|---|---|"
 	for s in 1MiB 8MiB 64MiB; do
-		echo "| $s | $(each agent $s) | $(each initiator $s) | $(each goloop $s) |"
+		echo "| $s | $(each agent $s) | $(each initiator $s) | $(each goloop $s) | $(pairs agent goloop $s) |"
 	done
-	echo "| iperf3 (one stream, ${IPERF_SECONDS} s) | $(each iperf3 all) | | |"
+	echo "| iperf3 (one stream, ${IPERF_SECONDS} s) | $(each iperf3 all) | | | |"
 	echo
-	echo "- **agent**: \`BenchmarkAgentTransfer\` (gpuagent/transfer_bench_test.go): staged once over \`POST /v1/stage\`, then each op is the agent's HTTP \`POST /send\` (keep-alive client, all of the agent's checks, no \`receive_count\`), written by the Mooncake TCP initiator into a separate Mooncake receiver (v2, pooled connection, confirmed by the status frame); the benchmark checks the receiver's bytes and write count afterwards."
+	echo "- **agent**: \`BenchmarkAgentTransfer\` (gpuagent/transfer_bench_test.go): staged once over \`POST /v1/stage\`, then each op is the agent's HTTP \`POST /send\` (a keep-alive \`fasthttp.HostClient\`, as the gateway's; all of the agent's checks, no \`receive_count\`), written by the Mooncake TCP initiator into a separate Mooncake receiver (v2, pooled connection, confirmed by the status frame); the benchmark checks the receiver's bytes and write count afterwards."
 	echo "- **Initiator.Write**: \`BenchmarkInitiatorWrite\`, the same transfer without HTTP or checks."
 	echo "- **Go loop**: \`BenchmarkNetConnLoop\`, one loopback \`net.Conn\`; the sender writes N bytes, the receiver reads them into one buffer and acks 1 byte, which the sender waits for."
 	echo "- **iperf3**: \`iperf3 -c 127.0.0.1 -t ${IPERF_SECONDS} -J\` against \`iperf3 -s -1\`, received throughput; it does not depend on the size."
