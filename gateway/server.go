@@ -229,7 +229,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		// of them. Workers idle for a second exit: a new connection then
 		// starts one afresh (a goroutine start, about a microsecond).
 		MaxIdleWorkerDuration: time.Second,
-		Logger:            listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
+		Logger:                listener.FasthttpLogger(listener.Sampled(deps.Log.Named("fasthttp"), clk)),
 	}
 	s.admin = admin.NewServer(cfg.Admin, s.adminMux(), s.adconns, deps.Log.Named("admin"))
 	return s, nil
