@@ -3,15 +3,24 @@
 package poller
 
 import (
+	"os"
 	"sync"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
 
-// Poller is one epoll instance and the goroutine that waits on it.
+// Poller is one epoll instance and the goroutine that waits on it. The
+// goroutine does not sit in epoll_wait: the epoll descriptor itself is
+// registered with the runtime's poller (an epoll instance is readable
+// while events wait in it), and each wake-up collects them with a
+// non-blocking epoll_wait. So no thread is blocked in a system call
+// holding a P (with GOMAXPROCS=1, everything else would wait for sysmon
+// to take it back), and Close ends the wait by closing the file.
 type Poller struct {
 	epfd int
-	wake int // an eventfd that ends the wait on Close
+	file *os.File        // epfd, for the runtime's poller
+	raw  syscall.RawConn // file's
 
 	mu     sync.Mutex
 	slots  []entry
@@ -35,18 +44,18 @@ func New() (*Poller, error) {
 	if err != nil {
 		return nil, err
 	}
-	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	// Non-blocking, so that os.NewFile hands it to the runtime's poller.
+	if err := unix.SetNonblock(epfd, true); err != nil {
+		unix.Close(epfd)
+		return nil, err
+	}
+	f := os.NewFile(uintptr(epfd), "epoll")
+	raw, err := f.SyscallConn()
 	if err != nil {
-		unix.Close(epfd)
+		f.Close()
 		return nil, err
 	}
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: -1}
-	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &ev); err != nil {
-		unix.Close(wake)
-		unix.Close(epfd)
-		return nil, err
-	}
-	p := &Poller{epfd: epfd, wake: wake, done: make(chan struct{})}
+	p := &Poller{epfd: epfd, file: f, raw: raw, done: make(chan struct{})}
 	go p.loop()
 	return p, nil
 }
@@ -97,7 +106,9 @@ func (p *Poller) Stop(w Watch) bool {
 	if e.fn == nil || e.gen != w.gen {
 		return false
 	}
-	_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, e.fd, nil)
+	if !p.closed { // after Close the descriptor's number may be another file's
+		_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, e.fd, nil)
+	}
 	p.release(w.slot)
 	return true
 }
@@ -128,31 +139,31 @@ func (p *Poller) Close() error {
 	}
 	p.closed = true
 	p.mu.Unlock()
-	one := [8]byte{1}
-	_, err := unix.Write(p.wake, one[:])
+	err := p.file.Close() // ends the wait in loop
 	<-p.done
-	unix.Close(p.wake)
-	unix.Close(p.epfd)
 	return err
 }
 
 func (p *Poller) loop() {
 	defer close(p.done)
 	var events [128]unix.EpollEvent
-	for {
-		n, err := unix.EpollWait(p.epfd, events[:], -1)
-		if err == unix.EINTR {
-			continue
+	var n int
+	collect := func(fd uintptr) bool {
+		for {
+			k, err := unix.EpollWait(int(fd), events[:], 0)
+			if err == unix.EINTR {
+				continue
+			}
+			n = max(k, 0)
+			return n > 0 // none yet: wait for the runtime's poller to say so
 		}
-		if err != nil {
-			return
+	}
+	for {
+		if err := p.raw.Read(collect); err != nil {
+			return // closed
 		}
 		for i := range n {
-			ev := &events[i]
-			if ev.Fd == -1 {
-				return // Close
-			}
-			p.fire(ev)
+			p.fire(&events[i])
 		}
 	}
 }
