@@ -2,6 +2,7 @@ package listener
 
 import (
 	"net"
+	"runtime"
 	"sync/atomic"
 )
 
@@ -90,7 +91,15 @@ var (
 // errors pass through unchanged.
 type Framing struct{ net.Listener }
 
+// Each Accept first yields the processor, so that the worker the server
+// gave the last connection runs (reads its request, parks it if it is a
+// long poll) before another connection is taken: with a backlog of
+// thousands (a 504 storm's pulls arriving together) the accept loop would
+// otherwise take them all first, each handed to a goroutine of its own
+// that grows a request's stack before any of them runs, and the runtime
+// keeps that peak's memory long after (bench/held.sh).
 func (l Framing) Accept() (net.Conn, error) {
+	runtime.Gosched()
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
