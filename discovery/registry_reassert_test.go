@@ -334,6 +334,9 @@ type regSkewedClock struct{ off time.Duration }
 
 func (c regSkewedClock) Now() time.Time                       { return time.Now().Add(c.off) }
 func (c regSkewedClock) NewTimer(d time.Duration) clock.Timer { return clock.Real{}.NewTimer(d) }
+func (c regSkewedClock) AfterFunc(d time.Duration, f func()) clock.Timer {
+	return clock.Real{}.AfterFunc(d, f)
+}
 
 // TestRegistryRedisClockSkew: replicas whose clocks are more than the TTL
 // ahead and behind agree with one on time: expiries are Redis's now plus

@@ -314,10 +314,11 @@ func (s *ranked) more(n int) bool {
 // goes to the same encoder, unless the part's /encode fails meanwhile:
 // then the failure is the answer (see decide).
 type pinned struct {
-	p     *Pool
-	c     *Call
-	t     target
-	found bool // attempt 1 followed a pin
+	p      *Pool
+	c      *Call
+	t      target
+	found  bool // attempt 1 followed a pin
+	waited bool // the wait for a pin was done before attempt 1 (ExchangeParked)
 }
 
 func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
@@ -337,9 +338,12 @@ func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 	}
 	var pin Pin
 	var ok bool
-	if s.c.Route.Kind == sglang.KindEncode {
+	switch {
+	case s.c.Route.Kind == sglang.KindEncode:
 		pin, ok = s.p.pins.Get(s.c.ReqID)
-	} else {
+	case s.waited: // ExchangeParked waited already (PinTable.WaitFunc)
+		pin, ok = s.p.pins.Wait(s.c.ReqID, 0, s.c.Done)
+	default:
 		pin, ok = s.p.pins.Wait(s.c.ReqID, s.p.aff.UnknownWait.D(), s.c.Done)
 	}
 	return s.decide(pin, ok)

@@ -44,10 +44,28 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 		r.st = &pinned{p: p, c: c}
 	}
 	r.begin()
+	// A follow-up that comes before its part's /encode waits up to
+	// affinity.unknown_wait for the pin (pinned.pick): parked as well,
+	// when nothing but this table can end the wait.
+	if pn, ok := r.st.(*pinned); ok && c.Route.Kind == sglang.KindFollowUp {
+		pn.waited = true // before the wait is registered: it may end at once
+		if !p.pins.WaitFunc(c.ReqID, p.aff.UnknownWait.D(), pr.pinWaited) {
+			return Result{}, false
+		}
+		pn.waited = false
+	}
 	if r.next() {
 		return r.end(), true
 	}
 	return Result{}, false
+}
+
+// pinWaited goes on with a call whose wait for its pin ended (the pin
+// came, or affinity.unknown_wait passed).
+func (pr *parkedRun) pinWaited() {
+	if pr.run.next() {
+		pr.finished(pr.run.end())
+	}
 }
 
 // parkedRun is a run whose attempts park. One attempt is parked at a time;

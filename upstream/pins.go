@@ -131,7 +131,10 @@ type pinEntry struct {
 
 type pinWaiters struct {
 	ch chan struct{} // closed when the req_id is pinned or failed
-	n  int           // goroutines waiting on ch
+	n  int           // waiting on ch, or with a function in fns
+	// fns are WaitFunc's, run (each on a goroutine of its own) when ch
+	// is closed.
+	fns []func()
 	// reading: a read of the share for these waiters is in flight (see
 	// readFor); again: a placement message came meanwhile, so that read
 	// goes once more if it finds no pin.
@@ -401,6 +404,9 @@ func (t *PinTable) removeLocked(s *pinShard, i int32) {
 func (s *pinShard) wake(reqID string) {
 	if w := s.waiting[reqID]; w != nil {
 		close(w.ch)
+		for _, f := range w.fns {
+			go f()
+		}
 		delete(s.waiting, reqID)
 	}
 }
@@ -561,6 +567,51 @@ func (t *PinTable) Local(reqID string) (Pin, bool) {
 		return Pin{}, false
 	}
 	return s.e[i].pin, true
+}
+
+// WaitFunc is Wait with nothing waiting: a parked follow-up's
+// (ExchangeParked). It reports true, and registers nothing, when Wait
+// would not wait (reqID has a live pin here, or d <= 0) or cannot wait
+// without a goroutine (pins are shared: Wait reads the share); the caller
+// then goes on (calling Wait). Otherwise fn runs once, on a goroutine of
+// its own, when reqID is pinned or failed here or d has passed on the
+// injected clock; fn then reads the pin (Wait with d 0).
+func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool) {
+	if _, ok := t.Local(reqID); ok || d <= 0 || t.share != nil {
+		return true
+	}
+	s := t.shard(reqID)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if i, ok := s.m[reqID]; ok && s.e[i].expires > t.clk.Now().UnixNano() {
+		return true
+	}
+	w := s.waiting[reqID]
+	if w == nil {
+		w = &pinWaiters{ch: make(chan struct{})}
+		s.waiting[reqID] = w
+	}
+	w.n++
+	var fired atomic.Bool
+	var timer clock.Timer
+	w.fns = append(w.fns, func() { // the pin came (wake)
+		if fired.CompareAndSwap(false, true) {
+			timer.Stop()
+			fn()
+		}
+	})
+	timer = t.clk.AfterFunc(d, func() {
+		if !fired.CompareAndSwap(false, true) {
+			return
+		}
+		s.mu.Lock()
+		if w.n--; w.n == 0 && s.waiting[reqID] == w {
+			delete(s.waiting, reqID)
+		}
+		s.mu.Unlock()
+		fn()
+	})
+	return false
 }
 
 // Wait returns reqID's pin, waiting up to d for one to be set. It gives up

@@ -14,6 +14,10 @@ type Clock interface {
 	Now() time.Time
 	// NewTimer returns a timer that fires once after d.
 	NewTimer(d time.Duration) Timer
+	// AfterFunc runs f on a goroutine of its own once d has passed,
+	// unless the timer is stopped first; nothing waits meanwhile. The
+	// timer's C is nil.
+	AfterFunc(d time.Duration, f func()) Timer
 }
 
 // Timer is the part of *time.Timer that encgate uses.
@@ -31,6 +35,9 @@ func (Real) Now() time.Time { return time.Now() }
 
 // NewTimer wraps time.NewTimer.
 func (Real) NewTimer(d time.Duration) Timer { return realTimer{time.NewTimer(d)} }
+
+// AfterFunc wraps time.AfterFunc.
+func (Real) AfterFunc(d time.Duration, f func()) Timer { return realTimer{time.AfterFunc(d, f)} }
 
 type realTimer struct{ t *time.Timer }
 
@@ -75,6 +82,24 @@ func (f *Fake) NewTimer(d time.Duration) Timer {
 	return t
 }
 
+// AfterFunc returns a timer that runs f, on a goroutine of its own, when
+// Advance reaches now+d (at once for d <= 0).
+func (f *Fake) AfterFunc(d time.Duration, fn func()) Timer {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t := &fakeTimer{f: f, at: f.now.Add(d), fn: fn}
+	if d <= 0 {
+		go fn()
+	} else {
+		f.timers = append(f.timers, t)
+	}
+	for _, w := range f.waiters {
+		close(w)
+	}
+	f.waiters = nil
+	return t
+}
+
 // TimerCreated returns a channel closed the next time a timer is created.
 func (f *Fake) TimerCreated() <-chan struct{} {
 	f.mu.Lock()
@@ -103,6 +128,10 @@ func (f *Fake) Advance(d time.Duration) {
 			kept = append(kept, t)
 			continue
 		}
+		if t.fn != nil {
+			go t.fn()
+			continue
+		}
 		t.c <- t.at
 	}
 	f.timers = kept
@@ -112,6 +141,7 @@ type fakeTimer struct {
 	f  *Fake
 	at time.Time
 	c  chan time.Time
+	fn func() // AfterFunc's, run instead of sending on c
 }
 
 func (t *fakeTimer) C() <-chan time.Time { return t.c }
