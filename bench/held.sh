@@ -53,6 +53,10 @@
 #                fake here, so every pull is unpinned  [unset: the 5s default]
 #   RELEASE_C    pulls released at once (each worker waits for its
 #                pull's answer before the next)                      [1]
+#   ARRIVE_C     the client's connections being opened at once: 32
+#                makes the pulls arrive as a burst (a 504 storm); 1
+#                paces them, so a proxy holds what a held pull costs
+#                rather than what a burst of arrivals costs in passing [32]
 #   PORT_BASE    first of 5 loopback ports (fake, encgate, encgate
 #                admin, nginx, haproxy)                              [19200]
 #   RESULTS      markdown output file              [bench/results/held.md]
@@ -73,7 +77,7 @@ bench_cd_root
 bench_need_go
 ROOT=$PWD
 
-N=${N:-4000} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0} RELEASE_C=${RELEASE_C:-1}
+N=${N:-4000} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0} RELEASE_C=${RELEASE_C:-1} ARRIVE_C=${ARRIVE_C:-32}
 PORT_BASE=${PORT_BASE:-19200} KEEP_TMP=${KEEP_TMP:-0}
 RESULTS=${RESULTS:-$ROOT/bench/results/held.md} UNKNOWN_WAIT=${UNKNOWN_WAIT:-}
 
@@ -81,7 +85,7 @@ die() { echo "held.sh: FAIL: $*" >&2; exit 1; }
 trap 'echo "held.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 log() { echo "== $*" >&2; }
 
-for v in N ROUNDS SETTLE HOLD RELEASE_C PORT_BASE; do [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
+for v in N ROUNDS SETTLE HOLD RELEASE_C ARRIVE_C PORT_BASE; do [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
 ((N >= 1 && N <= 8000)) || die "N must be 1..8000 (each proxy's 2N+ descriptors must fit a 20000 RLIMIT_NOFILE)"
 ((ROUNDS >= 1 && ROUNDS <= 9)) || die "ROUNDS must be 1..9"
 ((RELEASE_C >= 1 && RELEASE_C <= 64)) || die "RELEASE_C must be 1..64"
@@ -255,7 +259,7 @@ measure() { # proxy round
   [ "$px" = direct ] || before=$(rss_kb "$PROXY_PID")
   rm -f "$TMP/ctl"; mkfifo "$TMP/ctl"
   $CLI "$TMP/heldclient" hold -addr "127.0.0.1:${PORT_OF[$px]}" -n "$N" -prefix "$prefix" -timeout 120s \
-    -release "127.0.0.1:$P_FAKE" -rc "$RELEASE_C" \
+    -release "127.0.0.1:$P_FAKE" -rc "$RELEASE_C" -c "$ARRIVE_C" \
     <"$TMP/ctl" >"$TMP/hold-$px-$r.out" 2>"$TMP/hold-$px-$r.err" &
   HOLD_PID=$!
   exec 5>"$TMP/ctl"
@@ -379,6 +383,7 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own), go through the proxy; once the fake holds all $N, the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake, $RELEASE_C at a time (each waits for its pull's answer before the next), and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. A pull's latency is from just before its /encode is written to its client having read the whole answer; \`direct\` is the same release with the clients on the fake itself, so a proxy's added latency is its p50 (p99) minus direct's. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
   echo
   echo "- versions: encgate $git_v, $(go version | awk '{print $3}'), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v 2>&1 | awk 'NR == 1')"
+  echo "- arrivals: the client opened $ARRIVE_C connection(s) at a time (ARRIVE_C; 32 is a burst, 1 paces them)."
   echo "- encgate: defaults but affinity.unknown_wait ${UNKNOWN_WAIT:-5s} (the default 5s unless UNKNOWN_WAIT: an unpinned pull waits that long, on a goroutine, before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
   echo "- encgate (unparked): the same with limits.park_long_polls false."
   echo

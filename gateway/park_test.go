@@ -288,3 +288,40 @@ func TestDrainAnswersParkedPullsAndClosesTheirConnections(t *testing.T) {
 		t.Fatalf("Shutdown: %v", err)
 	}
 }
+
+// A pull that comes before its part's /encode waits for the pin
+// (affinity.unknown_wait) parked too, and the /encode's pin ends the wait.
+func TestPullsWaitingForTheirPinPark(t *testing.T) {
+	const n = 50
+	encs := startFakes(t, 1, nil)
+	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Affinity.UnknownWait = configfile.Duration(time.Minute) })
+	pl := g.Pool().Poller()
+	pulls := map[string]<-chan result{}
+	for i := range n {
+		id := fmt.Sprintf("early-%d_local_part_0", i)
+		pulls[id] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(id))
+	}
+	eventually(t, "every pull waiting for its pin, its client watched", func() bool {
+		return metricValue(t, g, "encgate_pin_waiters") == n && pl.Armed() == n
+	})
+	if k := requestGoroutines(t); k != 0 {
+		t.Fatalf("%d goroutines in the request path with %d pulls waiting for their pins, want 0", k, n)
+	}
+	if got := encs[0].Stats().Routes["/scheduler_receive_meta_data"]; got != 0 {
+		t.Fatalf("the encoder saw %d pulls before their /encode", got)
+	}
+	for id := range pulls {
+		if a := post(t, g.base+"/encode", encodeBody(id)); a.status != http.StatusOK {
+			t.Fatalf("/encode %s: %d %s", id, a.status, a.body)
+		}
+	}
+	for id, ch := range pulls {
+		r := <-ch
+		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
+			t.Fatalf("pull %s: %v %d %s", id, r.err, r.a.status, r.a.body)
+		}
+	}
+	eventually(t, "nothing waiting, parked or watched", func() bool {
+		return metricValue(t, g, "encgate_pin_waiters") == 0 && metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0
+	})
+}
