@@ -55,6 +55,7 @@ func parkedGateway(t *testing.T, encs []*fakeencoder.Encoder, mutate func(*Confi
 }
 
 func TestHeldPullsParkWithNoGoroutineOfTheirOwn(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
 	const n = 100
 	encs := startFakes(t, 1, nil)
 	g := parkedGateway(t, encs, nil)
@@ -129,6 +130,7 @@ func readAnswer(t *testing.T, br *bufio.Reader) answer {
 }
 
 func TestParkedPullWhoseClientHangsUpFreesItsConnection(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
 	encs := startFakes(t, 1, nil)
 	g := parkedGateway(t, encs, nil)
 	pl := g.Pool().Poller()
@@ -158,6 +160,7 @@ func TestParkedPullWhoseClientHangsUpFreesItsConnection(t *testing.T) {
 // A parked connection goes back to serving: its pipelined request (read
 // by the server before the first one parked) and its next ones.
 func TestParkedConnectionServesItsPipelinedAndNextRequests(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
 	encs := startFakes(t, 1, nil)
 	g := parkedGateway(t, encs, nil)
 	c, err := net.Dial("tcp", g.Addr())
@@ -227,6 +230,7 @@ func TestParkedPullsUnderFaultsGiveTheUnparkedVerdict(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			chaosLeakCheck(t)
 			var got [2]outcome
 			for i, park := range []bool{true, false} {
 				encs := startFakes(t, 1, nil)
@@ -257,6 +261,7 @@ func TestParkedPullsUnderFaultsGiveTheUnparkedVerdict(t *testing.T) {
 }
 
 func TestDrainAnswersParkedPullsAndClosesTheirConnections(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
 	encs := startFakes(t, 1, nil)
 	g := parkedGateway(t, encs, nil)
 	c, err := net.Dial("tcp", g.Addr())
@@ -292,6 +297,7 @@ func TestDrainAnswersParkedPullsAndClosesTheirConnections(t *testing.T) {
 // A pull that comes before its part's /encode waits for the pin
 // (affinity.unknown_wait) parked too, and the /encode's pin ends the wait.
 func TestPullsWaitingForTheirPinPark(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
 	const n = 50
 	encs := startFakes(t, 1, nil)
 	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Affinity.UnknownWait = configfile.Duration(time.Minute) })
