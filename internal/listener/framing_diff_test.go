@@ -223,3 +223,29 @@ func genText(r *rand.Rand, max int, value bool) string {
 	}
 	return string(b)
 }
+
+// BenchmarkFramerScan reads the proxy benchmark's request (bench/proxy.sh:
+// wrk's POST of a small JSON body) with the framer and with the reference.
+func BenchmarkFramerScan(b *testing.B) {
+	body := `{"req_id":"bench-proxy-req-0","rank":0}`
+	req := []byte("POST /scheduler_receive_url HTTP/1.1\r\nHost: 127.0.0.1:19101\r\nContent-Type: application/json\r\n" +
+		"Content-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body)
+	b.Run("framer", func(b *testing.B) {
+		b.SetBytes(int64(len(req)))
+		var f framer
+		for b.Loop() {
+			if _, err := f.scan(req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("reference", func(b *testing.B) {
+		b.SetBytes(int64(len(req)))
+		var f refFramer
+		for b.Loop() {
+			if _, err := f.scan(req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
