@@ -55,6 +55,9 @@
 #                encgate admin, nginx, haproxy)                      [19100]
 #   RESULTS      markdown output file             [bench/results/proxy.md]
 #   KEEP_TMP     1 keeps the temporary directory (configs, logs)     [0]
+#   GW_LOG_LEVEL encgate's log.level; info is the gateway's default, so
+#                the default run measures the default config (health
+#                checks on, as by default)                        [info]
 #   QUIET_WAIT   seconds to wait, before each measured run, for the
 #                machine to be quiet (< 15% of a core busy outside
 #                this benchmark); then it runs anyway                [15]
@@ -78,6 +81,7 @@ CONNS=${CONNS:-32}
 THREADS=${THREADS:-1}
 PORT_BASE=${PORT_BASE:-19100}
 KEEP_TMP=${KEEP_TMP:-0}
+GW_LOG_LEVEL=${GW_LOG_LEVEL:-info}
 QUIET_WAIT=${QUIET_WAIT:-15}
 REDO=${REDO:-2}
 
@@ -231,7 +235,7 @@ encoders:
 affinity:
   pin_ttl: 2h        # the run outlasts the default 240s; one /encode pins the req_id for all of it
 log:
-  level: warn
+  level: $GW_LOG_LEVEL
 EOF
 "$GW_BIN" gateway --config "$TMP/gateway.yaml" --check >/dev/null || die "gateway config invalid"
 
@@ -628,13 +632,13 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "- layout: $LAYOUT"
   echo "- load: wrk -t$THREADS -c$CONNS -d${DURATION}s --latency, POST of a small JSON body (Lua script); a ${WARMUP}s warm-up before each measured run; $ROUNDS rounds per workload, targets alternating direct, encgate, nginx, HAProxy in every round; medians over the rounds. 1-minute load average before/after (the benchmark itself adds about 2): $LOAD_BEFORE / $LOAD_AFTER."
   echo "- upstream: one \`encgate fake-encoder\` (Go net/http); req_id \`$REQ_ID\`, its /encode sent once through encgate (which pins it), so both routes answer 200 at once on every target. Every measured and warm-up run had 0 socket errors and 0 non-2xx answers (the script fails otherwise)."
-  echo "- encgate: \`encgate gateway\`, log level warn, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
+  echo "- encgate: \`encgate gateway\`, log level $GW_LOG_LEVEL, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
   echo
   if ((${#CONTAMINATED[@]})); then
     echo "**Warning:** in ${#CONTAMINATED[@]} measured run(s) processes outside the benchmark still took > 15% of a core after $REDO repeat(s): $(IFS=';'; echo "${CONTAMINATED[*]}"). Treat those figures with care."
     echo
   fi
-  echo "Log lines written during the run (encgate at warn and above, nginx error log at warn, HAProxy stderr): encgate $(wc -l <"$TMP/gateway.log"), nginx $(cat "$TMP/nginx/error.log" 2>/dev/null | wc -l), HAProxy $(grep -vc NOTICE "$TMP/haproxy.log" || true)."
+  echo "Log lines written during the run (encgate at $GW_LOG_LEVEL and above, nginx error log at warn, HAProxy stderr): encgate $(wc -l <"$TMP/gateway.log"), nginx $(cat "$TMP/nginx/error.log" 2>/dev/null | wc -l), HAProxy $(grep -vc NOTICE "$TMP/haproxy.log" || true)."
   echo
   echo "Runs repeated because something outside the benchmark used the CPU during them: $REDONE."
   echo
