@@ -30,6 +30,18 @@ func (s *sentRequest) fd() (int, bool) {
 	return 0, false
 }
 
+// begunWithin reports whether the answer began (or the exchange's outcome
+// came: an error, the try's deadline) within d of now, waiting for it on
+// the caller's goroutine; false, with nothing consumed, when d passed
+// first or the connection cannot wait that way.
+func (s *sentRequest) begunWithin(d time.Duration) bool {
+	if d <= 0 {
+		return false
+	}
+	a, ok := s.conn.(untilAwaiter)
+	return ok && a.AwaitUntil(time.Now().Add(d))
+}
+
 // sendRequest is do up to the wait for the answer: host and scheme set,
 // the client's preparation of the exchange (HostClient.Do's, for what the
 // pool's clients use), and stale pooled connections retried as do retries
