@@ -481,7 +481,7 @@ type Deps struct {
 // encoder takes to answer a pull whose part is ready, far shorter than it
 // holds one that waits (up to 180 s), so a held pull keeps its goroutine
 // only that long.
-const DefaultParkAfter = 5 * time.Millisecond
+const DefaultParkAfter = 50 * time.Millisecond
 
 // NewPool builds the pool, starts its pin sweeper and every encoder's
 // health loop; Close stops them.
