@@ -55,6 +55,14 @@
 #                encgate admin, nginx, haproxy)                      [19100]
 #   RESULTS      markdown output file             [bench/results/proxy.md]
 #   KEEP_TMP     1 keeps the temporary directory (configs, logs)     [0]
+#   UNPARKED     1 adds a fifth target, "encgate-sync": a second encgate
+#                gateway, the same config but limits.park_long_polls:
+#                false, so the follow-ups (long polls) are exchanged on
+#                the handler's goroutine instead of parking; it shows
+#                what parking costs per request beside the default   [0]
+#   GW_LOG_LEVEL encgate's log.level; info is the gateway's default, so
+#                the default run measures the default config (health
+#                checks on, as by default)                        [info]
 #   QUIET_WAIT   seconds to wait, before each measured run, for the
 #                machine to be quiet (< 15% of a core busy outside
 #                this benchmark); then it runs anyway                [15]
@@ -78,6 +86,8 @@ CONNS=${CONNS:-32}
 THREADS=${THREADS:-1}
 PORT_BASE=${PORT_BASE:-19100}
 KEEP_TMP=${KEEP_TMP:-0}
+GW_LOG_LEVEL=${GW_LOG_LEVEL:-info}
+UNPARKED=${UNPARKED:-0}
 QUIET_WAIT=${QUIET_WAIT:-15}
 REDO=${REDO:-2}
 
@@ -189,7 +199,9 @@ fi
 
 # ---------------------------------------------------------------- ports, tmp
 P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((PORT_BASE + 3)) P_HAP=$((PORT_BASE + 4))
+P_GW2=$((PORT_BASE + 5)) P_ADMIN2=$((PORT_BASE + 6))
 PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
+[ "$UNPARKED" = 1 ] && PORTS+=("$P_GW2" "$P_ADMIN2")
 listening() { bench_listening "$1"; }
 for p in "${PORTS[@]}"; do
   listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"
@@ -231,9 +243,14 @@ encoders:
 affinity:
   pin_ttl: 2h        # the run outlasts the default 240s; one /encode pins the req_id for all of it
 log:
-  level: warn
+  level: $GW_LOG_LEVEL
 EOF
 "$GW_BIN" gateway --config "$TMP/gateway.yaml" --check >/dev/null || die "gateway config invalid"
+if [ "$UNPARKED" = 1 ]; then
+  sed -e "s/:$P_GW\"/:$P_GW2\"/" -e "s/:$P_ADMIN\"/:$P_ADMIN2\"/" "$TMP/gateway.yaml" >"$TMP/gateway-sync.yaml"
+  printf 'limits:\n  park_long_polls: false\n' >>"$TMP/gateway-sync.yaml"
+  "$GW_BIN" gateway --config "$TMP/gateway-sync.yaml" --check >/dev/null || die "gateway (sync) config invalid"
+fi
 
 mkdir -p "$TMP/nginx"
 cat >"$TMP/nginx.conf" <<EOF
@@ -310,6 +327,13 @@ taskset -c "$SERVER_CPUS" haproxy -db -f "$TMP/haproxy.cfg" >"$TMP/haproxy.log" 
 HAP_PID=$!
 PIDS+=("$HAP_PID")
 wait_port "$P_HAP" "haproxy"
+GW2_PID=
+if [ "$UNPARKED" = 1 ]; then
+  GOMAXPROCS=$WORKERS taskset -c "$SERVER_CPUS" "$GW_BIN" gateway --config "$TMP/gateway-sync.yaml" >"$TMP/gateway-sync.log" 2>&1 &
+  GW2_PID=$!
+  PIDS+=("$GW2_PID")
+  wait_port "$P_GW2" "encgate (sync)"
+fi
 
 # ---------------------------------------------------------------- proxy CPU
 # The pids are those of the programs themselves (taskset and the GOMAXPROCS=
@@ -323,10 +347,15 @@ NGINX_WORKERS=$(pgrep -P "$NGINX_PID" | paste -sd' ')
 [ "$(wc -w <<<"$NGINX_WORKERS")" -eq "$WORKERS" ] || die "nginx has workers '$NGINX_WORKERS', want $WORKERS"
 [ -z "$(pgrep -P "$HAP_PID")" ] || die "HAProxy has child processes ($(pgrep -P "$HAP_PID" | paste -sd' ')); want one process"
 [ -z "$(pgrep -P "$GW_PID")" ] || die "encgate has child processes; want one process"
+if [ -n "$GW2_PID" ]; then
+  [ "$(comm_of "$GW2_PID")" = encgate ] || die "pid $GW2_PID is '$(comm_of "$GW2_PID")', not encgate"
+  [ -z "$(pgrep -P "$GW2_PID")" ] || die "encgate (sync) has child processes; want one process"
+fi
 # proxy_pids target -> the pids whose CPU is the proxy's (nothing for direct)
 proxy_pids() {
   case $1 in
   encgate) echo "$GW_PID" ;;
+  encgate-sync) echo "$GW2_PID" ;;
   nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | paste -sd' ')" ;;
   haproxy) echo "$HAP_PID" ;;
   direct) echo ;;
@@ -366,13 +395,20 @@ post() { # port path body -> "status<TAB>encoder-header<TAB>body" ; one request,
 # target's follow-ups find. nginx and HAProxy need nothing of their own.
 r=$(post "$P_GW" /encode "$ENCODE_BODY")
 [ "${r%%$'\t'*}" = 200 ] || die "POST /encode through encgate: $r"
-declare -A PORT_OF=([direct]=$P_FAKE [encgate]=$P_GW [nginx]=$P_NGINX [haproxy]=$P_HAP)
+declare -A PORT_OF=([direct]=$P_FAKE [encgate]=$P_GW [nginx]=$P_NGINX [haproxy]=$P_HAP [encgate-sync]=$P_GW2)
 TARGETS=(direct encgate nginx haproxy)
+if [ "$UNPARKED" = 1 ]; then
+  # The second gateway pins the req_id in its own pool: /encode through it
+  # too (the fake answers a repeated /encode for the same req_id).
+  r=$(post "$P_GW2" /encode "$ENCODE_BODY")
+  [ "${r%%$'\t'*}" = 200 ] || die "POST /encode through encgate (sync): $r"
+  TARGETS=(direct encgate encgate-sync nginx haproxy)
+fi
 for t in "${TARGETS[@]}"; do
   for pb in "/scheduler_receive_url|$URL_BODY" "/scheduler_receive_meta_data|$META_BODY"; do
     r=$(post "${PORT_OF[$t]}" "${pb%%|*}" "${pb#*|}")
     [ "${r%%$'\t'*}" = 200 ] || die "$t ${pb%%|*} answered: $r"
-    if [ "$t" = encgate ]; then
+    if [ "${t%-sync}" = encgate ]; then
       enc=$(cut -f2 <<<"$r"); [ "$enc" = fake ] || die "encgate ${pb%%|*}: X-Encgate-Encoder '$enc', want fake"
     fi
   done
@@ -534,15 +570,15 @@ ms() { awk -v us="$1" 'BEGIN{printf "%.3f", us / 1000}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b == 0) print "n/a"; else printf "%.2f", a / b }'; }
 mark() { awk -v v="$1" -v op="$2" -v lim="$3" 'BEGIN{ ok = (op == ">=") ? v >= lim : v <= lim; print ok ? "met" : "missed" }'; }
 
-# round_ratios workload other column -> "median (min-max)" of encgate/other per round
+# round_ratios workload other column [mine] -> "median (min-max)" of mine (encgate)/other per round
 round_ratios() {
-  awk -F'\t' -v w="$1" -v o="$2" -v c="$3" '$1 == w && $3 == "encgate" { e[$2] = $c } $1 == w && $3 == o { x[$2] = $c }
+  awk -F'\t' -v w="$1" -v o="$2" -v c="$3" -v me="${4:-encgate}" '$1 == w && $3 == me { e[$2] = $c } $1 == w && $3 == o { x[$2] = $c }
     END { for (r in e) if ((r in x) && x[r] > 0) printf "%.3f\n", e[r] / x[r] }' "$RAW" | sort -g |
     awk '{ a[NR] = $1 } END { if (NR == 0) { print "n/a"; exit }
       m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.2f (%.2f-%.2f)", m, a[1], a[NR] }'
 }
 pretty_title() { [ "$1" = url ] && echo "/scheduler_receive_url" || echo "/scheduler_receive_meta_data"; }
-name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; nginx) echo "nginx";; haproxy) echo "HAProxy";; esac; }
+name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; encgate-sync) echo "encgate-sync (park_long_polls off)";; nginx) echo "nginx";; haproxy) echo "HAProxy";; esac; }
 
 report=$TMP/report.md
 {
@@ -575,6 +611,16 @@ report=$TMP/report.md
     echo "| encgate / direct, req/s | $r_d | $(round_ratios "$w" direct 4) | ≥ 0.5 | $(mark "$r_d" ">=" 0.5) |"
     echo "| encgate / nginx, p99 | $q_ng | $(round_ratios "$w" nginx 6) | ≤ 1.0 | $(mark "$q_ng" "<=" 1.0) |"
     echo "| encgate / HAProxy, p99 | $q_hp | $(round_ratios "$w" haproxy 6) | ≤ 1.0 | $(mark "$q_hp" "<=" 1.0) |"
+    if [ "$UNPARKED" = 1 ]; then
+      s_ng=$(ratio "${CPU[encgate-sync]}" "${CPU[nginx]}"); s_hp=$(ratio "${CPU[encgate-sync]}" "${CPU[haproxy]}")
+      s_rng=$(ratio "${RPS[encgate-sync]}" "${RPS[nginx]}"); s_rhp=$(ratio "${RPS[encgate-sync]}" "${RPS[haproxy]}")
+      s_own=$(ratio "${CPU[encgate]}" "${CPU[encgate-sync]}")
+      echo "| encgate-sync / nginx, proxy CPU per request | $s_ng | $(round_ratios "$w" nginx 11 encgate-sync) | (≤ 1.0) | $(mark "$s_ng" "<=" 1.0) |"
+      echo "| encgate-sync / HAProxy, proxy CPU per request | $s_hp | $(round_ratios "$w" haproxy 11 encgate-sync) | (≤ 1.0) | $(mark "$s_hp" "<=" 1.0) |"
+      echo "| encgate-sync / nginx, req/s | $s_rng | $(round_ratios "$w" nginx 4 encgate-sync) | (≥ 1.0) | $(mark "$s_rng" ">=" 1.0) |"
+      echo "| encgate-sync / HAProxy, req/s | $s_rhp | $(round_ratios "$w" haproxy 4 encgate-sync) | (≥ 1.0) | $(mark "$s_rhp" ">=" 1.0) |"
+      echo "| encgate / encgate-sync, proxy CPU per request (what parking costs) | $s_own | $(round_ratios "$w" encgate-sync 11) | | |"
+    fi
     echo
     echo "Per-round ratios compare runs seconds apart, so they hold up better than the ratio of medians when the whole machine speeds up or slows down between rounds; met/missed is judged on the ratio of the medians."
     echo
@@ -626,21 +672,21 @@ mkdir -p "$(dirname "$RESULTS")"
   echo "- versions: encgate $git_v, $go_v, nginx $nginx_v, HAProxy $hap_v, wrk $wrk_v"
   echo "- pinning: $PINNING"
   echo "- layout: $LAYOUT"
-  echo "- load: wrk -t$THREADS -c$CONNS -d${DURATION}s --latency, POST of a small JSON body (Lua script); a ${WARMUP}s warm-up before each measured run; $ROUNDS rounds per workload, targets alternating direct, encgate, nginx, HAProxy in every round; medians over the rounds. 1-minute load average before/after (the benchmark itself adds about 2): $LOAD_BEFORE / $LOAD_AFTER."
+  echo "- load: wrk -t$THREADS -c$CONNS -d${DURATION}s --latency, POST of a small JSON body (Lua script); a ${WARMUP}s warm-up before each measured run; $ROUNDS rounds per workload, targets alternating $(printf '%s, ' "${TARGETS[@]}" | sed 's/, $//') in every round; medians over the rounds. 1-minute load average before/after (the benchmark itself adds about 2): $LOAD_BEFORE / $LOAD_AFTER."
   echo "- upstream: one \`encgate fake-encoder\` (Go net/http); req_id \`$REQ_ID\`, its /encode sent once through encgate (which pins it), so both routes answer 200 at once on every target. Every measured and warm-up run had 0 socket errors and 0 non-2xx answers (the script fails otherwise)."
-  echo "- encgate: \`encgate gateway\`, log level warn, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
+  echo "- encgate: \`encgate gateway\`, log level $GW_LOG_LEVEL, the fake as its only encoder, admin on its own port, affinity.pin_ttl 2h (everything else default)$([ "$UNPARKED" = 1 ] && echo "; encgate-sync: a second \`encgate gateway\` with the same config and limits.park_long_polls: false, on the same core(s), its req_id pinned by an /encode of its own"). nginx: upstream keepalive 128, proxy_http_version 1.1, Connection \"\", access_log off, keepalive_requests 1000000. HAProxy: mode http, option http-keep-alive, http-reuse always, no logging."
   echo
   if ((${#CONTAMINATED[@]})); then
     echo "**Warning:** in ${#CONTAMINATED[@]} measured run(s) processes outside the benchmark still took > 15% of a core after $REDO repeat(s): $(IFS=';'; echo "${CONTAMINATED[*]}"). Treat those figures with care."
     echo
   fi
-  echo "Log lines written during the run (encgate at warn and above, nginx error log at warn, HAProxy stderr): encgate $(wc -l <"$TMP/gateway.log"), nginx $(cat "$TMP/nginx/error.log" 2>/dev/null | wc -l), HAProxy $(grep -vc NOTICE "$TMP/haproxy.log" || true)."
+  echo "Log lines written during the run (encgate at $GW_LOG_LEVEL and above, nginx error log at warn, HAProxy stderr): encgate $(wc -l <"$TMP/gateway.log"), nginx $(cat "$TMP/nginx/error.log" 2>/dev/null | wc -l), HAProxy $(grep -vc NOTICE "$TMP/haproxy.log" || true)."
   echo
   echo "Runs repeated because something outside the benchmark used the CPU during them: $REDONE."
   echo
   echo "Layout: **$LAYOUT** (LAYOUT=split puts the proxy alone on the server core(s) and the fake beside wrk; LAYOUT=shared puts the fake and the proxy on the server core(s) and wrk alone; see the pinning line above)."
   echo
-  echo "Proxy CPU µs/req: the proxy's own utime+stime (fields 14 and 15 of /proc/PID/stat, all threads; clock ticks of 1/$CLK_TCK s) read just before and just after each measured wrk run, times 10^6 / CLK_TCK / requests completed in that run. Processes counted: encgate's pid; nginx's master and its worker(s) (pgrep -P); HAProxy's pid (one process, nbthread $WORKERS). Direct has no proxy (—). Fake CPU µs/req: the fake encoder's, read the same way (in every target, so the upstream's own cost can be compared too). The CPU ratios' target, ≤ 1.0, is the per-core counterpart of the req/s target (≥ 1.0). CPU per request is measured at whatever rate each target ran at; it falls somewhat as load rises (more events per wake-up), so compare it with the busy % of the server core(s)."
+  echo "Proxy CPU µs/req: the proxy's own utime+stime (fields 14 and 15 of /proc/PID/stat, all threads; clock ticks of 1/$CLK_TCK s) read just before and just after each measured wrk run, times 10^6 / CLK_TCK / requests completed in that run. Processes counted: encgate's pid$([ "$UNPARKED" = 1 ] && echo " (encgate-sync's own pid for it)"); nginx's master and its worker(s) (pgrep -P); HAProxy's pid (one process, nbthread $WORKERS). Direct has no proxy (—). Fake CPU µs/req: the fake encoder's, read the same way (in every target, so the upstream's own cost can be compared too). The CPU ratios' target, ≤ 1.0, is the per-core counterpart of the req/s target (≥ 1.0). CPU per request is measured at whatever rate each target ran at; it falls somewhat as load rises (more events per wake-up), so compare it with the busy % of the server core(s)."
   echo
   echo "Busy %: share of the server and wrk cores busy during each measured run (median over rounds); server cores near 100% with wrk's below means what runs on the server cores ($([ "$LAYOUT" = split ] && echo "the proxy" || echo "fake + proxy")), not the wrk cores ($([ "$LAYOUT" = split ] && echo "wrk + fake" || echo "wrk")), was the limit. CPU outside the benchmark: other processes' CPU during the run (from /proc/*/stat), max over rounds."
   echo

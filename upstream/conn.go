@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"github.com/valyala/fasthttp"
@@ -155,6 +156,19 @@ func (c *probedConn) Await() {
 	if a, ok := c.Conn.(awaiter); ok {
 		a.Await()
 	}
+}
+
+// untilAwaiter is a connection that can wait for an answer to begin up to
+// a time of the caller's (tcpconn.Conn).
+type untilAwaiter interface{ AwaitUntil(t time.Time) bool }
+
+// AwaitUntil passes on the wrapped connection's AwaitUntil; a connection
+// without one gives up at once.
+func (c *probedConn) AwaitUntil(t time.Time) bool {
+	if a, ok := c.Conn.(untilAwaiter); ok {
+		return a.AwaitUntil(t)
+	}
+	return false
 }
 
 // flusher and fder are what a parked exchange needs of its connection

@@ -85,10 +85,11 @@ type parkedRun struct {
 }
 
 // park watches sent's connection and its try's deadline; false when there
-// is no descriptor to watch (the attempt is then awaited where it is).
+// is no descriptor to watch, or when the answer began within the pool's
+// parkAfter (the attempt is then awaited where it is).
 func (pr *parkedRun) park(sent *sentRequest) bool {
 	fd, ok := sent.fd()
-	if !ok {
+	if !ok || sent.begunWithin(pr.p.parkAfter) {
 		return false
 	}
 	pr.mu.Lock()

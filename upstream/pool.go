@@ -450,6 +450,7 @@ type Pool struct {
 
 	ejections *ejectionGate  // breaker.max_ejected_percent over the fleet
 	watcher   Watcher        // parks long polls (ExchangeParked); nil: never
+	parkAfter time.Duration  // Deps.ParkAfter, DefaultParkAfter when that is 0
 	poller    *poller.Poller // the watcher's, when Deps.Park started it
 
 	cancel context.CancelFunc
@@ -467,7 +468,20 @@ type Deps struct {
 	// (Poller); Close stops it. Off, or where there is no poller (not
 	// Linux), ExchangeParked is Exchange.
 	Park bool
+	// ParkAfter is how long a parkable attempt's answer may take to begin
+	// on the caller's goroutine before the attempt parks: an answer that
+	// comes at once is read where it is, without the poller's watch, timer
+	// and wake-up goroutine, which cost a proxied request about as much
+	// again as the rest of it (docs/development/performance.md). Zero means
+	// DefaultParkAfter; a negative value parks every attempt at once.
+	ParkAfter time.Duration
 }
+
+// DefaultParkAfter is Deps.ParkAfter's default: far longer than an
+// encoder takes to answer a pull whose part is ready, far shorter than it
+// holds one that waits (up to 180 s), so a held pull keeps its goroutine
+// only that long.
+const DefaultParkAfter = 50 * time.Millisecond
 
 // NewPool builds the pool, starts its pin sweeper and every encoder's
 // health loop; Close stops them.
@@ -496,6 +510,10 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		} else {
 			p.poller, p.watcher = pl, pl
 		}
+	}
+	p.parkAfter = deps.ParkAfter
+	if p.parkAfter == 0 {
+		p.parkAfter = DefaultParkAfter
 	}
 	p.ejections = &ejectionGate{p: p, ejected: map[*Breaker]bool{}}
 	p.meta = newMetaShare(aff.MetadataCache, clk, p.m)

@@ -19,6 +19,7 @@ type sentRequest struct {
 	head      bool
 	connClose bool
 	deadline  time.Time // the try's, set on the socket
+	at        time.Time // when sendRequest read the clock, just before the send
 }
 
 // fd is the descriptor a poller watches for the answer; false when the
@@ -28,6 +29,18 @@ func (s *sentRequest) fd() (int, bool) {
 		return f.Fd()
 	}
 	return 0, false
+}
+
+// begunWithin reports whether the answer began (or the exchange's outcome
+// came: an error, the try's deadline) within d of now, waiting for it on
+// the caller's goroutine; false, with nothing consumed, when d passed
+// first or the connection cannot wait that way.
+func (s *sentRequest) begunWithin(d time.Duration) bool {
+	if d <= 0 {
+		return false
+	}
+	a, ok := s.conn.(untilAwaiter)
+	return ok && a.AwaitUntil(s.at.Add(d)) // from the send: no clock read of its own
 }
 
 // sendRequest is do up to the wait for the answer: host and scheme set,
@@ -43,9 +56,16 @@ func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Requ
 	if timeout <= 0 {
 		return nil, fasthttp.ErrTimeout
 	}
-	deadline := time.Now().Add(timeout)
+	at := time.Now()
+	deadline := at.Add(timeout)
 	for attempt := 0; ; attempt++ {
-		s, err := sendOnce(c, req, resp, deadline)
+		if attempt > 0 {
+			timeout = time.Until(deadline) // the re-sends share what is left
+		}
+		s, err := sendOnce(c, req, resp, deadline, timeout)
+		if s != nil {
+			s.at = at
+		}
 		if err == io.EOF {
 			err = fasthttp.ErrConnectionClosed // as HostClient.Do reports it
 		}
@@ -58,8 +78,8 @@ func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Requ
 
 // sendOnce is awaitTransport.RoundTrip up to Await, with the held request
 // flushed: nothing of the exchange waits on this goroutine afterwards.
-func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Response, deadline time.Time) (*sentRequest, error) {
-	timeout := time.Until(deadline)
+// timeout is what is left until deadline (the caller read the clock).
+func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Response, deadline time.Time, timeout time.Duration) (*sentRequest, error) {
 	if timeout <= 0 {
 		return nil, fasthttp.ErrTimeout
 	}

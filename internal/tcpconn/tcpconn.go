@@ -18,6 +18,7 @@
 package tcpconn
 
 import (
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -232,6 +233,41 @@ func (c *Conn) Await() {
 	if _, err := c.readRaw(nil, true); err != nil {
 		c.awaited = err
 	}
+}
+
+// AwaitUntil is Await, given up at t when that comes before the read
+// deadline: true when the answer has begun, or an outcome is waiting
+// (what Await keeps for the next Read: an error, EOF, the connection's own
+// deadline passing); false when t passed first, and then nothing is kept
+// and the read deadline is the one last set, as if AwaitUntil had not run
+// (a request still held, not flushed, is then still held too).
+// A caller that would otherwise hand the wait elsewhere (a parked
+// exchange) gives an answer that comes at once the chance to be read on
+// its own goroutine.
+func (c *Conn) AwaitUntil(t time.Time) bool {
+	if len(c.ahead) > 0 || c.awaited != nil {
+		return true
+	}
+	c.dl.Lock()
+	set := c.rdl
+	early := set.IsZero() || t.Before(set)
+	if early {
+		c.rdl = t
+	}
+	c.dl.Unlock()
+	_, err := c.readRaw(nil, true)
+	if early {
+		c.dl.Lock()
+		c.rdl = set // reaches the poller at the next Read (beginRead)
+		c.dl.Unlock()
+	}
+	if err != nil {
+		if early && errors.Is(err, os.ErrDeadlineExceeded) {
+			return false
+		}
+		c.awaited = err
+	}
+	return true
 }
 
 // minDirectRead is the smallest server Read that reads into the caller's

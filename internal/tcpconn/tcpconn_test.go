@@ -673,3 +673,77 @@ func TestAwaitTakesNoBufferWhileWaiting(t *testing.T) {
 		t.Fatal("the read-ahead buffer is kept after its bytes were read")
 	}
 }
+
+// AwaitUntil gives up at its own time without a trace (false, nothing
+// kept, the read deadline as set), and otherwise is Await: the answer, or
+// an outcome kept for the next Read, the connection's own deadline
+// passing included.
+func TestAwaitUntil(t *testing.T) {
+	const req, ans = "GET / HTTP/1.1\r\n\r\n", "HTTP/1.1 204 No Content\r\n\r\n"
+	t.Run("gives up", func(t *testing.T) {
+		c, peer := pair(t, Client)
+		cc := c.(*Conn)
+		dl := time.Now().Add(time.Hour)
+		_ = c.SetReadDeadline(dl)
+		if _, err := c.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		if err := cc.Flush(); err != nil { // as a parked exchange's request is
+			t.Fatal(err)
+		}
+		if cc.AwaitUntil(time.Now().Add(-time.Second)) {
+			t.Fatal("AwaitUntil of a passed time = true before any answer")
+		}
+		if cc.awaited != nil || len(cc.ahead) != 0 || !cc.rdl.Equal(dl) {
+			t.Fatalf("after giving up: awaited %v, ahead %q, read deadline %v (want %v)", cc.awaited, cc.ahead, cc.rdl, dl)
+		}
+		<-answer(t, peer, len(req), ans)
+		buf := make([]byte, 64)
+		n, err := c.Read(buf)
+		if err != nil || string(buf[:n]) != ans {
+			t.Fatalf("Read after giving up = %q, %v", buf[:n], err)
+		}
+	})
+	t.Run("answer", func(t *testing.T) {
+		c, peer := pair(t, Client)
+		if _, err := c.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		go func() { <-answer(t, peer, len(req), ans) }()
+		if !c.(*Conn).AwaitUntil(time.Now().Add(time.Hour)) {
+			t.Fatal("AwaitUntil = false with an answer coming and an hour to wait")
+		}
+		buf := make([]byte, 64)
+		n, err := c.Read(buf)
+		if err != nil || string(buf[:n]) != ans {
+			t.Fatalf("Read = %q, %v", buf[:n], err)
+		}
+	})
+	t.Run("the connection's deadline first", func(t *testing.T) {
+		c, _ := pair(t, Client)
+		_ = c.SetReadDeadline(time.Now().Add(-time.Second))
+		if _, err := c.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		if !c.(*Conn).AwaitUntil(time.Now().Add(time.Hour)) {
+			t.Fatal("AwaitUntil = false when the connection's own deadline passed")
+		}
+		var ne net.Error
+		if _, err := c.Read(make([]byte, 8)); !errors.As(err, &ne) || !ne.Timeout() {
+			t.Fatalf("Read error %v, want the connection's timeout kept", err)
+		}
+	})
+	t.Run("close", func(t *testing.T) {
+		c, peer := pair(t, Client)
+		if _, err := c.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		go func() { _, _ = io.ReadFull(peer, make([]byte, len(req))); peer.Close() }()
+		if !c.(*Conn).AwaitUntil(time.Now().Add(time.Hour)) {
+			t.Fatal("AwaitUntil = false for a peer that closed")
+		}
+		if _, err := c.Read(make([]byte, 8)); err != io.EOF {
+			t.Fatalf("Read error %v, want EOF", err)
+		}
+	})
+}
