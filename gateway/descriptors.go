@@ -48,7 +48,7 @@ func (c Config) descriptorParts() []listener.DescriptorPart {
 	}
 	return append(parts,
 		listener.DescriptorPart{What: "listeners", N: 2},
-		listener.DescriptorPart{What: "the parking poller (epoll and its wake-up eventfd)", N: 2},
+		listener.DescriptorPart{What: "the parking poller (its epoll instance)", N: 1},
 		listener.DescriptorPart{What: "the process's own files", N: listener.DescriptorMargin})
 }
 
