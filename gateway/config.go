@@ -142,10 +142,13 @@ type LimitsConfig struct {
 	PollShare float64 `yaml:"poll_share" reload:"live"`
 	// ParkLongPolls parks long polls while their encoder holds them
 	// (default true, on Linux): once a metadata pull's or registration's
-	// request is out, no goroutine, request context or buffer waits for
-	// its answer; one poller watches both connections. Off, each keeps a
-	// goroutine for as long as the encoder holds it (up to 180 s). Every
-	// verdict, deadline and limit is the same either way.
+	// request is out and its answer has not begun within 50 ms, no
+	// goroutine, request context or buffer waits for it (an answer that
+	// begins within those 50 ms, as a pull whose part is ready gets, is
+	// read at once where it is: parking costs more CPU than the rest of a
+	// proxied request); one poller watches both connections. Off, each
+	// keeps a goroutine for as long as the encoder holds it (up to 180 s).
+	// Every verdict, deadline and limit is the same either way.
 	ParkLongPolls bool `yaml:"park_long_polls" reload:"live"`
 }
 

@@ -137,7 +137,7 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 	}
 	m.parked = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "encgate_upstream_parked",
-		Help: "Attempts whose request is out and whose answer the encoder has not begun, parked: watched by the poller with no goroutine of their own (long polls: metadata pulls and registrations).",
+		Help: "Attempts whose request is out and whose answer the encoder has not begun (50 ms after the request went out, or later), parked: watched by the poller with no goroutine of their own (long polls: metadata pulls and registrations).",
 	})
 	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.duration, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.parked)
 	m.metaShared.WithLabelValues(SharedInflight)
