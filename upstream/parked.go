@@ -61,11 +61,72 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 }
 
 // pinWaited goes on with a call whose wait for its pin ended (the pin
-// came, or affinity.unknown_wait passed).
-func (pr *parkedRun) pinWaited() {
-	if pr.run.next() {
+// came, or affinity.unknown_wait passed), through the pool's sendGate:
+// in a 504 storm thousands of pulls end their waits together, and each
+// would otherwise start a goroutine that grows a request's stack and then
+// waits its turn to dial (upstream.max_dials_per_encoder) with it.
+func (pr *parkedRun) pinWaited() { pr.p.sendGate.enter(pr.afterPin) }
+
+// afterPin runs the call's attempts from where its pin wait left them;
+// the gate's slot is left as soon as the first attempt's request is out
+// (run.attempt) or the call ends without one.
+func (pr *parkedRun) afterPin() {
+	pr.run.gated = true
+	ended := pr.run.next()
+	pr.run.leaveGate()
+	if ended {
 		pr.finished(pr.run.end())
 	}
+}
+
+// unseenPart reports a follow-up that waited affinity.unknown_wait for its
+// part's pin and found none: this gateway has not seen the part's /encode,
+// and its encoder holds such a pull until the part comes (sglang: up to
+// 180 s), so it parks at once rather than after ParkAfter.
+func (pr *parkedRun) unseenPart() bool {
+	pn, ok := pr.run.st.(*pinned)
+	return ok && pn.waited && !pn.found
+}
+
+// sendGate bounds the goroutines that carry parked calls from the end of
+// their pin wait to their first request being out: enter runs f on a
+// goroutine of its own when fewer than its bound are running, and queues
+// it (a function value, no goroutine) otherwise; leave hands the slot to
+// the next queued. A slot is held through a dial at most (bounded by
+// upstream.connect_timeout), never through a wait for an answer or a
+// backoff.
+type sendGate struct {
+	mu   sync.Mutex
+	free int
+	q    []func()
+}
+
+func newSendGate(n int) *sendGate { return &sendGate{free: max(n, 1)} }
+
+func (g *sendGate) enter(f func()) {
+	g.mu.Lock()
+	if g.free > 0 {
+		g.free--
+		g.mu.Unlock()
+		go f()
+		return
+	}
+	g.q = append(g.q, f)
+	g.mu.Unlock()
+}
+
+func (g *sendGate) leave() {
+	g.mu.Lock()
+	if len(g.q) > 0 {
+		f := g.q[0]
+		g.q[0] = nil
+		g.q = g.q[1:]
+		g.mu.Unlock()
+		go f()
+		return
+	}
+	g.free++
+	g.mu.Unlock()
 }
 
 // parkedRun is a run whose attempts park. One attempt is parked at a time;
@@ -89,7 +150,7 @@ type parkedRun struct {
 // parkAfter (the attempt is then awaited where it is).
 func (pr *parkedRun) park(sent *sentRequest) bool {
 	fd, ok := sent.fd()
-	if !ok || sent.begunWithin(pr.p.parkAfter) {
+	if !ok || (!pr.unseenPart() && sent.begunWithin(pr.p.parkAfter)) {
 		return false
 	}
 	pr.mu.Lock()

@@ -452,6 +452,7 @@ type Pool struct {
 	watcher   Watcher        // parks long polls (ExchangeParked); nil: never
 	parkAfter time.Duration  // Deps.ParkAfter, DefaultParkAfter when that is 0
 	poller    *poller.Poller // the watcher's, when Deps.Park started it
+	sendGate  *sendGate      // parked calls going on after their pin wait (parkedRun.pinWaited)
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -503,6 +504,9 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		m:    newPoolMetrics(deps.Registry),
 		done: make(chan struct{}),
 	}
+	// As many as can dial at once to two encoders: the rest wait queued,
+	// as functions, not goroutines.
+	p.sendGate = newSendGate(2 * max(set.Client.MaxDialsPerEncoder, 1))
 	if deps.Park {
 		pl, err := poller.New()
 		if err != nil {

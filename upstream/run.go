@@ -31,6 +31,9 @@ type run struct {
 	fl       *metaFlight // the metadata flight it leads, if any
 	done     func(Mark)  // the breaker's, when admitted
 	admitted bool
+	// gated: this run holds a slot of the pool's sendGate until its
+	// first request is out (parkedRun.afterPin).
+	gated bool
 	// park, when set, parks an attempt whose request is out (sent): true
 	// when it did, and the attempt then goes on in resume. Nil: every
 	// attempt is awaited where it runs.
@@ -88,6 +91,7 @@ func (r *run) end() Result {
 // after reads attempt r.n's verdict: true when the call ends with it,
 // false when another attempt follows (after its backoff, waited here).
 func (r *run) after() bool {
+	r.leaveGate() // an attempt that sent nothing (a shared pull's) ends here; no backoff holds the slot
 	p, c, res := r.p, r.c, &r.res
 	res.Attempts, res.enc = r.n, r.t.enc
 	res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
@@ -178,6 +182,7 @@ func (r *run) attempt() bool {
 		var sent *sentRequest
 		sent, err = t.send(req, c.Resp, timeout)
 		fasthttp.ReleaseRequest(req)
+		r.leaveGate()
 		if err == nil {
 			if r.park(sent) {
 				return true
@@ -242,4 +247,12 @@ func (r *run) settle() {
 	}
 	r.done = nil
 	r.p.m.exchanged(r.t, r.c.Route, v)
+}
+
+// leaveGate gives back the sendGate slot the run holds, if any.
+func (r *run) leaveGate() {
+	if r.gated {
+		r.gated = false
+		r.p.sendGate.leave()
+	}
 }
