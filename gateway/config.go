@@ -140,9 +140,9 @@ type LimitsConfig struct {
 	// encoded, answered at once), so pulls held for req_ids never encoded
 	// (a confused or restarted rank) cannot starve them.
 	PollShare float64 `yaml:"poll_share" reload:"live"`
-	// ParkLongPolls parks long polls while their encoder holds them
-	// (default true, on Linux): once a metadata pull's or registration's
-	// request is out and its answer has not begun within 50 ms, no
+	// ParkLongPolls parks long polls, and /encodes, while their encoder
+	// holds them (default true, on Linux): once a metadata pull's,
+	// registration's or /encode's request is out and its answer has not begun within 50 ms, no
 	// goroutine, request context or buffer waits for it (an answer that
 	// begins within those 50 ms, as a pull whose part is ready gets, is
 	// read at once where it is: parking costs more CPU than the rest of a

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bufio"
+	"bytes"
 	"net"
 	"strings"
 	"sync"
@@ -40,7 +41,13 @@ import (
 // poll, a poller running, and a client connection with a descriptor to
 // watch (not TLS, not a test's fake).
 func (s *Server) parkable(ctx *fasthttp.RequestCtx, rt *sglang.Route) bool {
-	if s.poller == nil || rt.Kind != sglang.KindFollowUp || !rt.LongPoll || !s.conf().Limits.ParkLongPolls {
+	if s.poller == nil || !s.conf().Limits.ParkLongPolls {
+		return false
+	}
+	// Long polls, and /encode: GEN1's answers once the part is encoded,
+	// which may take a while. (/send goes through the dedupe store's
+	// flight and keeps its goroutine.)
+	if !(rt.Kind == sglang.KindFollowUp && rt.LongPoll || rt.Kind == sglang.KindEncode) {
 		return false
 	}
 	f, ok := ctx.Conn().(fder)
@@ -82,6 +89,14 @@ func (s *Server) exchangeParkable(ctx *fasthttp.RequestCtx, rt *sglang.Route, re
 		Method: buf[:len(method):len(method)], ContentType: buf[len(method) : len(method)+len(ctype) : len(method)+len(ctype)],
 		Body: buf[len(method)+len(ctype):], Start: start, Done: ctx.Done(), Resp: fasthttp.AcquireResponse(),
 		Via: s.loop.Via(&ctx.Request.Header)}
+	if mm := req.MMItems; len(mm) > 0 {
+		// An /encode's placement key is a view of its body (mm_items):
+		// the same bytes of the copy.
+		body := h.call.Body
+		if off := cap(ctx.PostBody()) - cap(mm); off >= 0 && off+len(mm) <= len(body) && bytes.Equal(body[off:off+len(mm)], mm) {
+			h.call.PlaceKey = body[off : off+len(mm) : off+len(mm)]
+		}
+	}
 	s.parked.Add(1)
 	res, ended := s.pool.ExchangeParked(&h.call, h.finish)
 	if ended {

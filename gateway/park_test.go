@@ -333,3 +333,38 @@ func TestPullsWaitingForTheirPinPark(t *testing.T) {
 		return metricValue(t, g, "encgate_pin_waiters") == 0 && metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0
 	})
 }
+
+// A slow /encode (GEN1 answers once the part is encoded) parks like a long
+// poll, places its pin, and its part's follow-ups find it.
+func TestSlowEncodeParks(t *testing.T) {
+	chaosLeakCheck(t)
+	release := make(chan struct{})
+	arrived := make(chan string, 1)
+	encs := startFakes(t, 2, func(_ int, o *fakeencoder.Options) {
+		o.EncodeHook = func(ctx context.Context, id string) {
+			arrived <- id
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+	})
+	g := parkedGateway(t, encs, nil)
+	id := "slow_local_part_0"
+	enc := postAsync(g.base+"/encode", encodeBody(id))
+	<-arrived
+	eventually(t, "the /encode parked", func() bool { return metricValue(t, g, "encgate_upstream_parked") == 1 })
+	if k := requestGoroutines(t); k != 0 {
+		t.Fatalf("%d goroutines in the request path with the /encode parked, want 0", k)
+	}
+	close(release)
+	r := <-enc
+	if r.err != nil || r.a.status != http.StatusOK {
+		t.Fatalf("/encode: %v %d %s", r.err, r.a.status, r.a.body)
+	}
+	holder := r.a.header.Get(headerEncoder)
+	pull := post(t, g.base+"/scheduler_receive_meta_data", metaBody(id))
+	if pull.status != http.StatusOK || pull.header.Get(headerEncoder) != holder {
+		t.Fatalf("pull after the parked /encode: %d from %q, want 200 from %q", pull.status, pull.header.Get(headerEncoder), holder)
+	}
+}
