@@ -1,27 +1,12 @@
 package main
 
 import (
-	"encoding/json"
 	"net"
 	"strings"
 	"testing"
-)
 
-// jsonLines decodes every line of out as a JSON log entry; a line that is
-// not one (a plain-text line among zap's) fails the test.
-func jsonLines(t *testing.T, out string) []map[string]any {
-	t.Helper()
-	var entries []map[string]any
-	for l := range strings.SplitSeq(strings.TrimSpace(out), "\n") {
-		var e map[string]any
-		if err := json.Unmarshal([]byte(l), &e); err != nil {
-			t.Errorf("not a JSON log line: %q", l)
-			continue
-		}
-		entries = append(entries, e)
-	}
-	return entries
-}
+	"github.com/encgate/encgate/internal/logtest"
+)
 
 // A gateway whose listen address is taken exits 1 with one error entry
 // that says so, without a stack trace: an address in use is an expected
@@ -47,7 +32,7 @@ encoders:
 		t.Errorf("stderr holds a stack trace:\n%s", stderr)
 	}
 	var found bool
-	for _, e := range jsonLines(t, stderr) {
+	for _, e := range logtest.JSONLines(t, stderr) {
 		if e["level"] == "error" && e["msg"] == "starting gateway" {
 			found = true
 			if msg, _ := e["error"].(string); !strings.Contains(msg, "address already in use") {
@@ -73,7 +58,7 @@ func TestLoggerStackTracesOnlyFromDPanic(t *testing.T) {
 	if strings.Contains(out.String(), "stacktrace") {
 		t.Fatalf("warn or error entries carry a stack trace:\n%s", out.String())
 	}
-	if n := len(jsonLines(t, out.String())); n != 2 {
+	if n := len(logtest.JSONLines(t, out.String())); n != 2 {
 		t.Fatalf("%d entries, want 2:\n%s", n, out.String())
 	}
 	out.Reset()

@@ -1,27 +1,12 @@
 package e2e
 
 import (
-	"encoding/json"
 	"net"
 	"strings"
 	"testing"
-)
 
-// jsonLogLines decodes every line of out as a JSON log entry; a line that
-// is not one (a plain-text line among zap's) fails the test.
-func jsonLogLines(t *testing.T, out string) []map[string]any {
-	t.Helper()
-	var entries []map[string]any
-	for l := range strings.SplitSeq(strings.TrimSpace(out), "\n") {
-		var e map[string]any
-		if err := json.Unmarshal([]byte(l), &e); err != nil {
-			t.Errorf("not a JSON log line: %q", l)
-			continue
-		}
-		entries = append(entries, e)
-	}
-	return entries
-}
+	"github.com/encgate/encgate/internal/logtest"
+)
 
 // A gateway process whose Redis is down writes only JSON lines to stderr:
 // go-redis's own lines (a pool's failed dial) come through the gateway's
@@ -53,7 +38,7 @@ redis:
 	// lines up to then include its Redis pool's first failed dial.
 	p := startGatewayProc(t, path)
 	var dial bool
-	for _, e := range jsonLogLines(t, p.log()) {
+	for _, e := range logtest.JSONLines(t, p.log()) {
 		if msg, _ := e["msg"].(string); e["logger"] == "redis" && e["level"] == "warn" && strings.Contains(msg, "failed to dial") {
 			dial = true
 		}
