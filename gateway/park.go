@@ -171,8 +171,7 @@ func (h *held) client(ev poller.Event) {
 func (h *held) do(a heldAction, fresh bool) {
 	s := h.s
 	if a&actClose != 0 {
-		h.conn.Close()
-		s.conns.ConnState(h.conn, fasthttp.StateClosed)
+		h.closeConn()
 		s.metrics.clientGone.Inc()
 	}
 	if a&actWrite != 0 {
@@ -218,8 +217,7 @@ func (h *held) write(fresh bool) {
 				ce.Write(zap.String("route", h.rt.Path), zap.String("req_id", h.call.ReqID), zap.Error(err))
 			}
 		}
-		h.conn.Close()
-		s.conns.ConnState(h.conn, fasthttp.StateClosed)
+		h.closeConn()
 		return
 	}
 	c := h.conn
@@ -231,6 +229,13 @@ func (h *held) write(fresh bool) {
 		return
 	}
 	_ = s.srv.ServeConn(c)
+}
+
+// closeConn closes the client's connection and counts it closed in
+// limits.max_conns (a hijacked connection is counted until then).
+func (h *held) closeConn() {
+	h.conn.Close()
+	h.s.conns.ConnState(h.conn, fasthttp.StateClosed)
 }
 
 var writers = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, 4096) }}

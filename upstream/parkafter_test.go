@@ -39,7 +39,7 @@ func TestParkAfter(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(p.Close)
-		if p.watcher == nil {
+		if p.poller == nil {
 			t.Skip("no poller here: nothing parks")
 		}
 		return p

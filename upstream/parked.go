@@ -8,18 +8,10 @@ import (
 	"github.com/encgate/encgate/internal/sglang"
 )
 
-// Watcher watches a parked attempt's socket (internal/poller.Poller): fn
-// runs once, on a goroutine of its own, when the socket is readable or
-// hung up, unless Stop disarmed the watch first.
-type Watcher interface {
-	Watch(fd int, fn func(poller.Event)) (poller.Watch, error)
-	Stop(w poller.Watch) bool
-}
-
 // ExchangeParked is Exchange for a call whose answer the encoder may hold
 // for minutes (a long poll: a metadata pull, a registration). Once an
 // attempt's request is out, the attempt parks instead of waiting on this
-// goroutine: the Pool's Watcher watches its connection, a timer its try's
+// goroutine: the Pool's poller watches its connection, a timer its try's
 // deadline, and whichever comes first resumes it on a goroutine of its own,
 // which reads the answer, judges it and goes on with the call exactly as
 // Exchange would (retries, backoff, the breaker, the verdict).
@@ -29,13 +21,14 @@ type Watcher interface {
 // here). It returns false when an attempt parked: finished(res) then runs
 // once the call ends, on another goroutine, and c, with all it points to
 // (Body, Resp, ...), must stay valid and untouched until then: the caller
-// copies what it borrowed. Without a Watcher it is Exchange.
+// copies what it borrowed. Without a poller (Deps.Park off, or not Linux)
+// it is Exchange.
 func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
-	if p.watcher == nil {
+	if p.poller == nil {
 		return p.Exchange(c), true
 	}
 	f := p.fleet.Load()
-	pr := &parkedRun{w: p.watcher, finished: finished}
+	pr := &parkedRun{finished: finished}
 	r := &pr.run
 	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), park: pr.park}
 	if c.Route.Kind == sglang.KindEncode {
@@ -134,7 +127,6 @@ func (g *sendGate) leave() {
 // earlier park of the same call, which may still run late.
 type parkedRun struct {
 	run
-	w        Watcher
 	finished func(Result)
 
 	mu    sync.Mutex
@@ -157,7 +149,7 @@ func (pr *parkedRun) park(sent *sentRequest) bool {
 	defer pr.mu.Unlock()
 	pr.gen++
 	gen := pr.gen
-	w, err := pr.w.Watch(fd, func(poller.Event) { pr.wake(gen) })
+	w, err := pr.p.poller.Watch(fd, func(poller.Event) { pr.wake(gen) })
 	if err != nil {
 		return false
 	}
@@ -179,7 +171,7 @@ func (pr *parkedRun) wake(gen uint64) {
 		return
 	}
 	pr.woke = true
-	pr.w.Stop(pr.watch)
+	pr.p.poller.Stop(pr.watch)
 	pr.timer.Stop()
 	sent := pr.sent
 	pr.sent, pr.timer = nil, nil

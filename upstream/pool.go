@@ -449,9 +449,8 @@ type Pool struct {
 	limits   atomic.Pointer[inflightLimits] // Settings.MaxInflight and PollShare, read by every encoder
 
 	ejections *ejectionGate  // breaker.max_ejected_percent over the fleet
-	watcher   Watcher        // parks long polls (ExchangeParked); nil: never
 	parkAfter time.Duration  // Deps.ParkAfter, DefaultParkAfter when that is 0
-	poller    *poller.Poller // the watcher's, when Deps.Park started it
+	poller    *poller.Poller // parks long polls (ExchangeParked) when Deps.Park started it; nil: never
 	sendGate  *sendGate      // parked calls going on after their pin wait (parkedRun.pinWaited)
 
 	cancel context.CancelFunc
@@ -512,7 +511,7 @@ func NewPool(set Settings, aff AffinityConfig, deps Deps) (*Pool, error) {
 		if err != nil {
 			deps.Log.Warn("long polls will not park: no poller; each keeps a goroutine while its encoder holds it", zap.Error(err))
 		} else {
-			p.poller, p.watcher = pl, pl
+			p.poller = pl
 		}
 	}
 	p.parkAfter = deps.ParkAfter
