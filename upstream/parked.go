@@ -30,7 +30,7 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 	f := p.fleet.Load()
 	pr := &parkedRun{finished: finished}
 	r := &pr.run
-	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), park: pr.park}
+	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), pk: pr}
 	if c.Route.Kind == sglang.KindEncode {
 		r.st = &ranked{p: p, c: c}
 	} else {
@@ -137,12 +137,23 @@ type parkedRun struct {
 	sent  *sentRequest
 }
 
-// park watches sent's connection and its try's deadline; false when there
-// is no descriptor to watch, or when the answer began within the pool's
-// parkAfter (the attempt is then awaited where it is).
+// grace is how long an attempt's answer may take to begin and still be
+// read where the attempt runs (the pool's parkAfter): an answer that
+// comes at once costs no park and wake-up. None for a part this gateway
+// has not seen (unseenPart).
+func (pr *parkedRun) grace() time.Duration {
+	if pr.unseenPart() {
+		return 0
+	}
+	return pr.p.parkAfter
+}
+
+// park watches sent's connection, whose answer has not begun within the
+// attempt's grace, and its try's deadline; false when there is no
+// descriptor to watch (the attempt is then awaited where it is).
 func (pr *parkedRun) park(sent *sentRequest) bool {
 	fd, ok := sent.fd()
-	if !ok || (!pr.unseenPart() && sent.begunWithin(pr.p.parkAfter)) {
+	if !ok {
 		return false
 	}
 	pr.mu.Lock()

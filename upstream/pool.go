@@ -265,24 +265,24 @@ func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time
 // send is do up to the wait for the answer (sendRequest), for an attempt
 // that may park: the in-flight slot it takes is released by the caller
 // once the answer is read (sentRequest.receive), or here when nothing
-// could be sent.
-func (t *target) send(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) (*sentRequest, error) {
+// could be sent. begun says the answer began within wait (sendRequest).
+func (t *target) send(req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (sent *sentRequest, begun bool, err error) {
 	if err := t.enc.acquire(t.poll); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	if t.place != nil && !t.place() {
 		t.enc.release(t.poll)
-		return nil, errPlacedElsewhere
+		return nil, false, errPlacedElsewhere
 	}
 	if auth := t.hc.auth.Load(); auth != nil {
 		req.Header.Set(fasthttp.HeaderAuthorization, *auth) // as do
 	}
-	sent, err := sendRequest(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout)
+	sent, begun, err = sendRequest(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout, wait)
 	if err != nil {
 		t.enc.release(t.poll)
-		return nil, t.enc.refusedByPool(err)
+		return nil, false, t.enc.refusedByPool(err)
 	}
-	return sent, nil
+	return sent, begun, nil
 }
 
 // inflightLimits are the bounds Encoder.acquire applies, swapped whole on

@@ -34,10 +34,11 @@ type run struct {
 	// gated: this run holds a slot of the pool's sendGate until its
 	// first request is out (parkedRun.afterPin).
 	gated bool
-	// park, when set, parks an attempt whose request is out (sent): true
-	// when it did, and the attempt then goes on in resume. Nil: every
-	// attempt is awaited where it runs.
-	park func(sent *sentRequest) bool
+	// pk, when set, is the parkedRun this run is part of: an attempt
+	// whose answer has not begun within its grace (pk.grace) parks
+	// (pk.park), and then goes on in resume. Nil: every attempt is awaited
+	// where it runs.
+	pk *parkedRun
 }
 
 // begin reads the clock once for the call and sets its deadline.
@@ -175,16 +176,17 @@ func (r *run) attempt() bool {
 	}
 	req.SetBodyRaw(c.Body)
 	var err error
-	if r.park == nil {
+	if r.pk == nil {
 		err = t.do(req, c.Resp, timeout)
 		fasthttp.ReleaseRequest(req)
 	} else {
 		var sent *sentRequest
-		sent, err = t.send(req, c.Resp, timeout)
+		var begun bool
+		sent, begun, err = t.send(req, c.Resp, timeout, r.pk.grace())
 		fasthttp.ReleaseRequest(req)
 		r.leaveGate()
 		if err == nil {
-			if r.park(sent) {
+			if !begun && r.pk.park(sent) {
 				return true
 			}
 			err = sent.receive(c.Resp) // no descriptor to watch: awaited here

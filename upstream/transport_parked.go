@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"errors"
 	"io"
 	"net"
 	"time"
@@ -19,7 +20,6 @@ type sentRequest struct {
 	head      bool
 	connClose bool
 	deadline  time.Time // the try's, set on the socket
-	at        time.Time // when sendRequest read the clock, just before the send
 }
 
 // fd is the descriptor a poller watches for the answer; false when the
@@ -31,30 +31,26 @@ func (s *sentRequest) fd() (int, bool) {
 	return 0, false
 }
 
-// begunWithin reports whether the answer began (or the exchange's outcome
-// came: an error, the try's deadline) within d of now, waiting for it on
-// the caller's goroutine; false, with nothing consumed, when d passed
-// first or the connection cannot wait that way.
-func (s *sentRequest) begunWithin(d time.Duration) bool {
-	if d <= 0 {
-		return false
-	}
-	a, ok := s.conn.(untilAwaiter)
-	return ok && a.AwaitUntil(s.at.Add(d)) // from the send: no clock read of its own
-}
-
 // sendRequest is do up to the wait for the answer: host and scheme set,
 // the client's preparation of the exchange (HostClient.Do's, for what the
 // pool's clients use), and stale pooled connections retried as do retries
 // them. The request is on the wire when it returns nil.
-func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) (*sentRequest, error) {
+//
+// wait, when positive, is how long the answer may take to begin for the
+// caller to read it where it is (begun true) rather than hand the wait
+// elsewhere: the request is then sent by the read that waits for it
+// (tcpconn's held request), so an answer that is not there yet costs no
+// read that finds nothing, as in awaitTransport.RoundTrip. A send that
+// fails before any byte left is found there as well, and the request goes
+// again, as when the write itself fails.
+func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (s *sentRequest, begun bool, err error) {
 	req.Header.SetHost(host)
 	req.URI().SetScheme(scheme)
 	req.URI().DisablePathNormalizing = c.DisablePathNormalizing
 	resp.Reset()
 	resp.Header.SetNoDefaultContentType(true)
 	if timeout <= 0 {
-		return nil, fasthttp.ErrTimeout
+		return nil, false, fasthttp.ErrTimeout
 	}
 	at := time.Now()
 	deadline := at.Add(timeout)
@@ -62,22 +58,55 @@ func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Requ
 		if attempt > 0 {
 			timeout = time.Until(deadline) // the re-sends share what is left
 		}
-		s, err := sendOnce(c, req, resp, deadline, timeout)
-		if s != nil {
-			s.at = at
+		s, err = sendOnce(c, req, resp, deadline, timeout)
+		if err == nil {
+			begun, err = s.out(at.Add(wait), wait > 0)
+			if err == nil && begun && unsentOn(resp) {
+				// The held request's send failed at its first byte: what
+				// the read that sent it keeps is that failure.
+				s.abandon()
+				s, begun, err = nil, false, &StaleConnError{Err: errHeldUnsent}
+			}
 		}
 		if err == io.EOF {
 			err = fasthttp.ErrConnectionClosed // as HostClient.Do reports it
 		}
 		err = staleIfUnsent(err, resp)
 		if err == nil || !isStale(err) || attempt == maxStaleRetries {
-			return s, err
+			return s, begun, err
 		}
 	}
 }
 
-// sendOnce is awaitTransport.RoundTrip up to Await, with the held request
-// flushed: nothing of the exchange waits on this goroutine afterwards.
+// errHeldUnsent is the cause of a stale-connection error found by the
+// read that sent a held request: the send failed before any byte left.
+var errHeldUnsent = errors.New("the request's send failed before any byte left")
+
+// out puts the request on the wire. With await, the read that waits up to
+// until for the answer sends it (begun: the answer, or the exchange's
+// outcome, came by then); otherwise, or when that wait gave up before it
+// could send (until already passed), it is flushed. A flush that fails
+// closes the connection.
+func (s *sentRequest) out(until time.Time, await bool) (begun bool, err error) {
+	if await {
+		if a, ok := s.conn.(untilAwaiter); ok && a.AwaitUntil(until) {
+			return true, nil
+		}
+	}
+	if f, ok := s.conn.(flusher); ok {
+		if err = f.Flush(); err != nil {
+			s.abandon()
+			if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
+				err = fasthttp.ErrTimeout
+			}
+			return false, err
+		}
+	}
+	return false, nil
+}
+
+// sendOnce is awaitTransport.RoundTrip up to Await. A small request may
+// still be held by the connection when it returns (tcpconn): out sends it.
 // timeout is what is left until deadline (the caller read the clock).
 func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Response, deadline time.Time, timeout time.Duration) (*sentRequest, error) {
 	if timeout <= 0 {
@@ -99,11 +128,6 @@ func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Res
 		err = bw.Flush()
 	}
 	hc.ReleaseWriter(bw)
-	if err == nil {
-		if f, ok := conn.(flusher); ok {
-			err = f.Flush()
-		}
-	}
 	if err != nil {
 		hc.CloseConn(cc)
 		if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
