@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"net"
-	"strings"
 	"sync"
 	"time"
 
@@ -68,6 +67,11 @@ type held struct {
 	call  upstream.Call
 	close bool // the client asked to close after this answer (or spoke HTTP/1.0 without keep-alive)
 
+	// Kept across uses while pooled (helds): the copy of what the call
+	// borrowed from the request, and finish as a func value, made once.
+	buf      []byte
+	finishFn func(upstream.Result)
+
 	mu    sync.Mutex
 	st    heldState
 	res   upstream.Result
@@ -79,13 +83,15 @@ type held struct {
 // exchangeParkable runs a long poll's exchange, parking it if its encoder
 // holds it; true when it parked, and the answer is written later.
 func (s *Server) exchangeParkable(ctx *fasthttp.RequestCtx, rt *sglang.Route, req *sglang.Request, start time.Time) bool {
-	h := &held{s: s, rt: rt, start: start, close: ctx.Request.Header.ConnectionClose()}
-	// The call outlives the request's context: what it borrowed is copied,
-	// in one allocation.
+	h := helds.Get().(*held)
+	h.s, h.rt, h.start, h.close = s, rt, start, ctx.Request.Header.ConnectionClose()
+	// The call may outlive the request's context: what it borrowed is
+	// copied, into the pooled held's own buffer. (req.ReqID is a copy
+	// already.)
 	method, ctype, body := ctx.Method(), ctx.Request.Header.ContentType(), ctx.PostBody()
-	buf := make([]byte, 0, len(method)+len(ctype)+len(body))
-	buf = append(append(append(buf, method...), ctype...), body...)
-	h.call = upstream.Call{Route: rt, ReqID: strings.Clone(req.ReqID), Rank: req.Rank,
+	buf := append(append(append(h.buf[:0], method...), ctype...), body...)
+	h.buf = buf
+	h.call = upstream.Call{Route: rt, ReqID: req.ReqID, Rank: req.Rank,
 		Method: buf[:len(method):len(method)], ContentType: buf[len(method) : len(method)+len(ctype) : len(method)+len(ctype)],
 		Body: buf[len(method)+len(ctype):], Start: start, Done: ctx.Done(), Resp: fasthttp.AcquireResponse(),
 		Via: s.loop.Via(&ctx.Request.Header)}
@@ -98,16 +104,39 @@ func (s *Server) exchangeParkable(ctx *fasthttp.RequestCtx, rt *sglang.Route, re
 		}
 	}
 	s.parked.Add(1)
-	res, ended := s.pool.ExchangeParked(&h.call, h.finish)
+	res, ended := s.pool.ExchangeParked(&h.call, h.finishFn)
 	if ended {
 		s.parked.Done()
 		s.answer(ctx, rt, h.call.ReqID, res, h.call.Resp)
 		fasthttp.ReleaseResponse(h.call.Resp)
+		h.recycle()
 		return false
 	}
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(h.attach)
 	return true
+}
+
+// helds pools the client sides of calls that end without parking (most:
+// an answer that comes at once); one that parked is left to the collector.
+var helds = sync.Pool{New: func() any {
+	h := new(held)
+	h.finishFn = h.finish
+	return h
+}}
+
+// maxPooledBuf bounds the copy buffer a pooled held keeps: a large body's
+// is left to the collector rather than held by the pool.
+const maxPooledBuf = 16 << 10
+
+// recycle gives back a held whose call ended without parking.
+func (h *held) recycle() {
+	buf, fin := h.buf[:0], h.finishFn
+	if cap(buf) > maxPooledBuf {
+		buf = nil
+	}
+	*h = held{buf: buf, finishFn: fin}
+	helds.Put(h)
 }
 
 // attach is the hijack handler: the client's connection, handed over once

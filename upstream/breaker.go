@@ -341,26 +341,53 @@ func (b *Breaker) Allow() (done func(Mark), ok bool) {
 	if b.cfg.Disabled {
 		return noopDone, true
 	}
+	t, ok := b.Admit(b.clk.Now())
+	if !ok {
+		return nil, false
+	}
+	var once atomic.Bool
+	return func(m Mark) {
+		if once.CompareAndSwap(false, true) {
+			t.Report(m, b.clk.Now())
+		}
+	}, true
+}
+
+// Ticket is an exchange the breaker admitted (Admit): Report tells it
+// the exchange's Mark.
+type Ticket struct {
+	b   *Breaker // nil: the breaker is disabled
+	gen uint64
+}
+
+// Admit is Allow for a caller that reads the clock itself (now) and
+// reports exactly once (Ticket.Report), so that no func value is made.
+func (b *Breaker) Admit(now time.Time) (Ticket, bool) {
+	if b.cfg.Disabled {
+		return Ticket{}, true
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.refreshLocked(b.clk.Now())
+	b.refreshLocked(now)
 	switch b.state {
 	case BreakerOpen:
-		return nil, false
+		return Ticket{}, false
 	case BreakerHalfOpen:
 		if b.trialsOut+b.trialsOK >= b.cfg.HalfOpenRequests {
-			return nil, false
+			return Ticket{}, false
 		}
 		b.trialsOut++
 	}
 	b.counts.Requests = inc(b.counts.Requests)
-	gen := b.gen
-	var once atomic.Bool
-	return func(m Mark) {
-		if once.CompareAndSwap(false, true) {
-			b.report(gen, m)
-		}
-	}, true
+	return Ticket{b: b, gen: b.gen}, true
+}
+
+// Report tells the breaker the admitted exchange's Mark, at now; call it
+// exactly once.
+func (t Ticket) Report(m Mark, now time.Time) {
+	if t.b != nil {
+		t.b.report(t.gen, m, now)
+	}
 }
 
 func noopDone(Mark) {}
@@ -373,10 +400,9 @@ func inc(v uint32) uint32 {
 }
 
 // report applies one admitted request's Mark.
-func (b *Breaker) report(gen uint64, m Mark) {
+func (b *Breaker) report(gen uint64, m Mark, now time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	now := b.clk.Now()
 	b.refreshLocked(now)
 	if gen != b.gen {
 		return

@@ -81,7 +81,7 @@ func TestHeldSendThatFailsIsSentAgain(t *testing.T) {
 		req.Header.SetMethod("POST")
 		req.SetRequestURI("/scheduler_receive_meta_data")
 		req.SetBodyString(`{"req_id":"x"}`)
-		s, begun, err := sendRequest(hc, u.Host, "http", req, resp, 5*time.Second, time.Hour)
+		s, begun, err := sendRequest(new(sentRequest), hc, u.Host, "http", req, resp, 5*time.Second, time.Hour)
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}

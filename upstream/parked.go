@@ -28,13 +28,16 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 		return p.Exchange(c), true
 	}
 	f := p.fleet.Load()
-	pr := &parkedRun{finished: finished}
+	pr := parkedRuns.Get().(*parkedRun)
+	pr.finished = finished
 	r := &pr.run
 	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), pk: pr}
 	if c.Route.Kind == sglang.KindEncode {
-		r.st = &ranked{p: p, c: c}
+		pr.ranked = ranked{p: p, c: c}
+		r.st = &pr.ranked
 	} else {
-		r.st = &pinned{p: p, c: c}
+		pr.pinned = pinned{p: p, c: c}
+		r.st = &pr.pinned
 	}
 	r.begin()
 	// A follow-up that comes before its part's /encode waits up to
@@ -48,9 +51,22 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 		pn.waited = false
 	}
 	if r.next() {
-		return r.end(), true
+		res := r.end()
+		pr.recycle()
+		return res, true
 	}
 	return Result{}, false
+}
+
+// parkedRuns pools the runs of calls that end without parking (most: an
+// answer that comes at once); one that parked is left to the collector,
+// since a late wake-up of its watch or timer may still reach it.
+var parkedRuns = sync.Pool{New: func() any { return new(parkedRun) }}
+
+// recycle gives back the run of a call that ended without parking.
+func (pr *parkedRun) recycle() {
+	*pr = parkedRun{}
+	parkedRuns.Put(pr)
 }
 
 // pinWaited goes on with a call whose wait for its pin ended (the pin
@@ -128,6 +144,10 @@ func (g *sendGate) leave() {
 type parkedRun struct {
 	run
 	finished func(Result)
+	// The run's strategy (run.st points to one), kept here so that a call
+	// that never parks allocates none.
+	pinned pinned
+	ranked ranked
 
 	mu    sync.Mutex
 	gen   uint64

@@ -265,8 +265,9 @@ func (t *target) do(req *fasthttp.Request, resp *fasthttp.Response, timeout time
 // send is do up to the wait for the answer (sendRequest), for an attempt
 // that may park: the in-flight slot it takes is released by the caller
 // once the answer is read (sentRequest.receive), or here when nothing
-// could be sent. begun says the answer began within wait (sendRequest).
-func (t *target) send(req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (sent *sentRequest, begun bool, err error) {
+// could be sent. begun says the answer began within wait (sendRequest);
+// the exchange is kept in dst.
+func (t *target) send(dst *sentRequest, req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (sent *sentRequest, begun bool, err error) {
 	if err := t.enc.acquire(t.poll); err != nil {
 		return nil, false, err
 	}
@@ -277,7 +278,7 @@ func (t *target) send(req *fasthttp.Request, resp *fasthttp.Response, timeout, w
 	if auth := t.hc.auth.Load(); auth != nil {
 		req.Header.Set(fasthttp.HeaderAuthorization, *auth) // as do
 	}
-	sent, begun, err = sendRequest(t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout, wait)
+	sent, begun, err = sendRequest(dst, t.hc.client, t.hc.host, t.hc.scheme, req, resp, timeout, wait)
 	if err != nil {
 		t.enc.release(t.poll)
 		return nil, false, t.enc.refusedByPool(err)

@@ -29,8 +29,10 @@ type run struct {
 
 	// The attempt in flight while it is parked: what finishing it needs.
 	fl       *metaFlight // the metadata flight it leads, if any
-	done     func(Mark)  // the breaker's, when admitted
+	ticket   Ticket      // the breaker's, when admitted
 	admitted bool
+	tryEnd   time.Time   // when exchanged read the clock
+	sent     sentRequest // the attempt's exchange, while its answer is awaited (parked)
 	// gated: this run holds a slot of the pool's sendGate until its
 	// first request is out (parkedRun.afterPin).
 	gated bool
@@ -154,7 +156,7 @@ func (r *run) attempt() bool {
 			return false
 		}
 	}
-	r.done, r.admitted = t.enc.Breaker.Allow()
+	r.ticket, r.admitted = t.enc.Breaker.Admit(r.tryStart)
 	if !r.admitted && t.place != nil {
 		o := Observation{Err: &breakerBusyError{state: t.enc.Breaker.State().String()}}
 		if r.fl != nil {
@@ -182,7 +184,7 @@ func (r *run) attempt() bool {
 	} else {
 		var sent *sentRequest
 		var begun bool
-		sent, begun, err = t.send(req, c.Resp, timeout, r.pk.grace())
+		sent, begun, err = t.send(&r.sent, req, c.Resp, timeout, r.pk.grace())
 		fasthttp.ReleaseRequest(req)
 		r.leaveGate()
 		if err == nil {
@@ -219,6 +221,7 @@ func (r *run) resume(sent *sentRequest) bool {
 func (r *run) exchanged(err error) {
 	p, c, t := r.p, r.c, &r.t
 	end := p.clk.Now()
+	r.tryEnd = end
 	o := Observation{Err: err}
 	if err == nil {
 		o.Status, o.Body = c.Resp.StatusCode(), c.Resp.Body()
@@ -243,11 +246,12 @@ func (r *run) exchanged(err error) {
 func (r *run) settle() {
 	v := &r.res.Verdict
 	if r.admitted {
-		r.done(v.Breaker)
+		r.admitted = false
+		r.ticket.Report(v.Breaker, r.tryEnd)
 	} else if v.Breaker != MarkNone {
 		v.Breaker = MarkNone // sent uncounted: the state cannot move elsewhere
 	}
-	r.done = nil
+	r.ticket = Ticket{}
 	r.p.m.exchanged(r.t, r.c.Route, v)
 }
 

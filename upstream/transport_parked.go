@@ -15,12 +15,28 @@ import (
 // watches) and the answer be read later, on another goroutine (receive).
 type sentRequest struct {
 	hc        *fasthttp.HostClient
+	cc        any // hc's connection (*fasthttp.clientConn, which is not exported): release gives it back
 	conn      net.Conn
-	release   func(close bool) // gives the connection back to hc, or closes it
 	head      bool
 	connClose bool
 	deadline  time.Time // the try's, set on the socket
 }
+
+// release gives the connection back to hc, or closes it.
+func (s *sentRequest) release(close bool) {
+	if close {
+		callWith(s.hc.CloseConn, s.cc)
+	} else {
+		callWith(s.hc.ReleaseConn, s.cc)
+	}
+	s.cc, s.conn = nil, nil
+}
+
+// callWith calls f with cc, which holds f's argument type: the type of
+// fasthttp's pooled connection is inferred from f, since it is not
+// exported. (A closure over the connection, made per request, would
+// allocate.)
+func callWith[C any](f func(C), cc any) { f(cc.(C)) }
 
 // fd is the descriptor a poller watches for the answer; false when the
 // connection has none to offer (TLS), and the answer must be awaited.
@@ -43,7 +59,7 @@ func (s *sentRequest) fd() (int, bool) {
 // read that finds nothing, as in awaitTransport.RoundTrip. A send that
 // fails before any byte left is found there as well, and the request goes
 // again, as when the write itself fails.
-func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (s *sentRequest, begun bool, err error) {
+func sendRequest(dst *sentRequest, c *fasthttp.HostClient, host, scheme string, req *fasthttp.Request, resp *fasthttp.Response, timeout, wait time.Duration) (s *sentRequest, begun bool, err error) {
 	req.Header.SetHost(host)
 	req.URI().SetScheme(scheme)
 	req.URI().DisablePathNormalizing = c.DisablePathNormalizing
@@ -58,7 +74,7 @@ func sendRequest(c *fasthttp.HostClient, host, scheme string, req *fasthttp.Requ
 		if attempt > 0 {
 			timeout = time.Until(deadline) // the re-sends share what is left
 		}
-		s, err = sendOnce(c, req, resp, deadline, timeout)
+		s, err = sendOnce(dst, c, req, resp, deadline, timeout)
 		if err == nil {
 			begun, err = s.out(at.Add(wait), wait > 0)
 			if err == nil && begun && unsentOn(resp) {
@@ -108,7 +124,8 @@ func (s *sentRequest) out(until time.Time, await bool) (begun bool, err error) {
 // sendOnce is awaitTransport.RoundTrip up to Await. A small request may
 // still be held by the connection when it returns (tcpconn): out sends it.
 // timeout is what is left until deadline (the caller read the clock).
-func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Response, deadline time.Time, timeout time.Duration) (*sentRequest, error) {
+// The exchange is kept in dst, which it returns.
+func sendOnce(dst *sentRequest, hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Response, deadline time.Time, timeout time.Duration) (*sentRequest, error) {
 	if timeout <= 0 {
 		return nil, fasthttp.ErrTimeout
 	}
@@ -135,14 +152,8 @@ func sendOnce(hc *fasthttp.HostClient, req *fasthttp.Request, resp *fasthttp.Res
 		}
 		return nil, err
 	}
-	return &sentRequest{hc: hc, conn: conn, head: req.Header.IsHead(), connClose: req.ConnectionClose(), deadline: deadline,
-		release: func(close bool) {
-			if close {
-				hc.CloseConn(cc)
-			} else {
-				hc.ReleaseConn(cc)
-			}
-		}}, nil
+	*dst = sentRequest{hc: hc, cc: cc, conn: conn, head: req.Header.IsHead(), connClose: req.ConnectionClose(), deadline: deadline}
+	return dst, nil
 }
 
 // receive reads the answer into resp (the Response sendRequest was given),

@@ -39,6 +39,7 @@ type Conn struct {
 	rc syscall.RawConn
 
 	hold    bool    // client: hold small writes until the next Read
+	fd      int     // the socket's descriptor (Fd); -1 when Control failed
 	held    []byte  // bytes written by Write and not yet sent
 	heldBox *[]byte // held's pool entry (nil when none is taken)
 
@@ -109,7 +110,8 @@ func wrap(c net.Conn, hold bool) net.Conn {
 	if err != nil {
 		return c
 	}
-	cc := &Conn{TCPConn: tc, rc: rc, hold: hold}
+	cc := &Conn{TCPConn: tc, rc: rc, hold: hold, fd: -1}
+	_ = rc.Control(func(f uintptr) { cc.fd = int(f) })
 	if hold {
 		// The first request's buffer is taken here, where the connection is
 		// made (on the dialling goroutine), rather than at its first Write,
@@ -454,11 +456,21 @@ func (c *Conn) Write(b []byte) (int, error) {
 func (c *Conn) Flush() error { return c.flush() }
 
 // Fd returns the socket's descriptor, for a poller's watch. It is valid
-// until Close.
+// until Close; false once the connection is closed.
 func (c *Conn) Fd() (fd int, ok bool) {
-	err := c.rc.Control(func(f uintptr) { fd = int(f) })
-	return fd, err == nil
+	if c.fd < 0 {
+		return 0, false
+	}
+	// Control fails once the connection is closed; the descriptor itself
+	// was read when the connection was wrapped (a closure per call would
+	// allocate, and a parkable request asks for it twice).
+	if err := c.rc.Control(noop); err != nil {
+		return 0, false
+	}
+	return c.fd, true
 }
+
+func noop(uintptr) {}
 
 // flush sends the held bytes now.
 func (c *Conn) flush() error {
