@@ -93,7 +93,7 @@ func (s *Server) exchangeParkable(ctx *fasthttp.RequestCtx, rt *sglang.Route, re
 	h.buf = buf
 	h.call = upstream.Call{Route: rt, ReqID: req.ReqID, Rank: req.Rank,
 		Method: buf[:len(method):len(method)], ContentType: buf[len(method) : len(method)+len(ctype) : len(method)+len(ctype)],
-		Body: buf[len(method)+len(ctype):], Start: start, Done: ctx.Done(), Resp: fasthttp.AcquireResponse(),
+		Body: buf[len(method)+len(ctype):], Start: start, Done: ctx.Done(), Stop: s.stopping, Resp: fasthttp.AcquireResponse(),
 		Via: s.loop.Via(&ctx.Request.Header)}
 	if mm := req.MMItems; len(mm) > 0 {
 		// An /encode's placement key is a view of its body (mm_items):

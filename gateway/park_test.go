@@ -13,6 +13,8 @@ import (
 
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/sglang"
+	"github.com/encgate/encgate/upstream"
 )
 
 // Parked exchanges (park.go): a long poll the encoder holds waits with no
@@ -367,4 +369,96 @@ func TestSlowEncodeParks(t *testing.T) {
 	if pull.status != http.StatusOK || pull.header.Get(headerEncoder) != holder {
 		t.Fatalf("pull after the parked /encode: %d from %q, want 200 from %q", pull.status, pull.header.Get(headerEncoder), holder)
 	}
+}
+
+// Pulls the encoder answers with a quick 504 at once (a storm) wait out
+// their retry backoffs parked: a timer each, no goroutine in the request
+// path. Shutdown ends those waits as it ends slept ones, and each call
+// then gets its last answer, as an unparked call does.
+func TestBackoffsParkWithNoGoroutineOfTheirOwn(t *testing.T) {
+	type outcome struct {
+		status   int
+		body     string
+		attempts string
+		conn     string
+	}
+	const n = 20
+	var got [2]outcome
+	for i, park := range []bool{true, false} {
+		t.Run(fmt.Sprintf("park_long_polls %v", park), func(t *testing.T) {
+			chaosLeakCheck(t)
+			encs := startFakes(t, 1, nil)
+			g := parkedGateway(t, encs, func(c *Config) {
+				c.Limits.ParkLongPolls = park
+				c.Health.Disabled = true
+				c.Breaker.Disabled = true
+				m := &c.Retry.Metadata
+				m.MaxAttempts = 3
+				m.InitialBackoff = configfile.Duration(time.Hour) // never over before Shutdown
+				m.MaxBackoff = configfile.Duration(time.Hour)
+				m.Jitter = upstream.Jitter{Mode: upstream.JitterNone}
+				m.Deadline = configfile.Duration(2 * time.Hour)
+				c.Retry.Budget.MinPerSecond = 1000
+			})
+			encs[0].SetFaults(fakeencoder.Faults{FailureRate: 1, FailStatus: http.StatusGatewayTimeout, FailMessage: sglang.MetadataNotReady,
+				FailRoutes: []string{"/scheduler_receive_meta_data"}})
+			pulls := make([]<-chan result, n)
+			for k := range n {
+				pulls[k] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(fmt.Sprintf("storm-%d_local_part_0", k)))
+			}
+			eventually(t, "every pull answered 504 once and waiting out its backoff", func() bool {
+				return metricOrZero(t, g, "encgate_retries_total") == n
+			})
+			if park {
+				if v := metricValue(t, g, "encgate_upstream_backoffs_parked"); v != n {
+					t.Fatalf("encgate_upstream_backoffs_parked %v, want %d", v, n)
+				}
+				if k := requestGoroutines(t); k != 0 {
+					t.Fatalf("%d goroutines in the request path with %d backoffs parked, want 0", k, n)
+				}
+			} else if k := requestGoroutines(t); k < n {
+				t.Fatalf("%d goroutines in the request path with %d backoffs slept, want >= %d", k, n, n)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			if err := g.Shutdown(ctx); err != nil {
+				t.Fatalf("Shutdown: %v", err)
+			}
+			for k, ch := range pulls {
+				r := <-ch
+				if r.err != nil {
+					t.Fatalf("pull %d: %v", k, r.err)
+				}
+				o := outcome{r.a.status, strings.ReplaceAll(r.a.body, fmt.Sprintf("storm-%d_", k), "storm-K_"), r.a.header.Get(headerAttempts), r.a.header.Get("Connection")}
+				if k == 0 {
+					got[i] = o
+				} else if o != got[i] {
+					t.Fatalf("pull %d: %+v, pull 0: %+v", k, o, got[i])
+				}
+			}
+			if park && metricValue(t, g, "encgate_upstream_backoffs_parked") != 0 {
+				t.Fatal("backoffs still parked after Shutdown")
+			}
+		})
+	}
+	t.Logf("parked %+v", got[0])
+	if got[0] != got[1] || got[0].status != http.StatusGatewayTimeout || got[0].attempts != "1" {
+		t.Fatalf("parked %+v, unparked %+v: want the same 504 after 1 attempt", got[0], got[1])
+	}
+}
+
+// metricOrZero is metricValue for a metric vector that may have no series
+// yet (0 then).
+func metricOrZero(t *testing.T, g *gw, name string) float64 {
+	t.Helper()
+	mfs, err := g.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return metricValue(t, g, name)
+		}
+	}
+	return 0
 }

@@ -62,10 +62,15 @@ type Server struct {
 	recent  admin.Recent     // the gateway's own latest failure answers, for the status page
 	started time.Time
 
-	poller  *poller.Poller // watches parked exchanges' sockets (park.go); nil: none park
-	parked  sync.WaitGroup // parked exchanges not yet answered, waited for by Shutdown
-	version string
-	rates   statusSampler // the status page's rates (status.go)
+	poller *poller.Poller // watches parked exchanges' sockets (park.go); nil: none park
+	parked sync.WaitGroup // parked exchanges not yet answered, waited for by Shutdown
+	// stopping ends when Shutdown stops the server, as its requests'
+	// Done does: the Call.Stop of parked exchanges, whose backoffs end
+	// early then.
+	stopping context.Context
+	stop     context.CancelFunc
+	version  string
+	rates    statusSampler // the status page's rates (status.go)
 }
 
 // Registry is where a gateway registers its metrics and what its /metrics
@@ -160,6 +165,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		stopPins = func() { cancel(); <-done }
 	}
 	s := &Server{poller: pool.Poller(), kv: kv, stopPins: stopPins, fds: deps.Descriptors, log: log, quiet: listener.Sampled(log, clk), clk: clk, pool: pool, store: store, reg: deps.Registry, done: make(chan error, 2), level: deps.Level}
+	s.stopping, s.stop = context.WithCancel(context.Background())
 	s.snap.Store(&cfg)
 	s.started, s.version = clk.Now(), deps.Version
 	if s.loop, err = loopguard.New(deps.Entropy, deps.Registry); err != nil {
@@ -339,6 +345,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}
 	s.log.Info("draining: listener closed, finishing requests in flight",
 		zap.Int64("open_connections", s.conns.Open()))
+	s.stop() // with the server's own: a parked backoff ends as a slept one
 	err := s.srv.ShutdownWithContext(ctx)
 	// Parked exchanges are not fasthttp's: their answers (which close
 	// their connections now) are waited for here.

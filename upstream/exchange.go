@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"bytes"
+	"context"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -32,6 +33,11 @@ type Call struct {
 	Limit time.Duration
 	// Done ends waits early: the caller's server is shutting down.
 	Done <-chan struct{}
+	// Stop, when set, is Done as a context, ended at the same moment: a
+	// call that may park (ExchangeParked) waits out its retry backoffs
+	// parked too, with no goroutine, and Stop is how such a wait learns of
+	// the shutdown (context.AfterFunc). Without it backoffs are slept.
+	Stop context.Context
 	// Resp receives each attempt's answer; after Exchange it holds the
 	// last one when the verdict is KindAnswered. The caller owns it.
 	Resp *fasthttp.Response

@@ -1,9 +1,11 @@
 package upstream
 
 import (
+	"context"
 	"sync"
 	"time"
 
+	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/poller"
 	"github.com/encgate/encgate/internal/sglang"
 )
@@ -155,6 +157,62 @@ type parkedRun struct {
 	watch poller.Watch
 	timer *time.Timer
 	sent  *sentRequest
+	// A backoff waited out parked (pause): its timer on the pool's clock,
+	// and the stop of its registration on Call.Stop.
+	pauseTimer clock.Timer
+	pauseStop  func() bool
+	// Func values made once per run, for the pause's timer and stop.
+	pauseEndFn, pauseStopFn func()
+}
+
+// pause waits out a retry backoff of wait parked: the pool's clock runs
+// pauseEnd when it has passed, and the call's Stop ending first ends the
+// call with the attempt's verdict, as a slept backoff's early end does.
+func (pr *parkedRun) pause(wait time.Duration) {
+	if pr.pauseEndFn == nil {
+		pr.pauseEndFn = func() { pr.pauseEnded(false) }
+		pr.pauseStopFn = func() { pr.pauseEnded(true) }
+	}
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.gen++
+	pr.woke = false
+	pr.pauseTimer = pr.p.clk.AfterFunc(wait, pr.pauseEndFn)
+	pr.pauseStop = context.AfterFunc(pr.c.Stop, pr.pauseStopFn)
+	pr.p.m.paused.Inc()
+}
+
+// pauseEnded goes on with the call once its backoff has passed (through
+// the pool's sendGate, as a pin wait's end does: a storm's backoffs end
+// together), or ends it when stopped: the first of the two, once.
+func (pr *parkedRun) pauseEnded(stopped bool) {
+	pr.mu.Lock()
+	if pr.woke || pr.pauseTimer == nil {
+		pr.mu.Unlock()
+		return
+	}
+	pr.woke = true
+	pr.pauseTimer.Stop()
+	pr.pauseStop()
+	pr.pauseTimer, pr.pauseStop = nil, nil
+	pr.mu.Unlock()
+	pr.p.m.paused.Dec()
+	if stopped {
+		pr.finished(pr.run.end())
+		return
+	}
+	pr.p.sendGate.enter(pr.afterPause)
+}
+
+// afterPause runs the call's next attempts once its backoff has passed.
+func (pr *parkedRun) afterPause() {
+	pr.run.gated = true
+	pr.run.n++
+	ended := pr.run.next()
+	pr.run.leaveGate()
+	if ended {
+		pr.finished(pr.run.end())
+	}
 }
 
 // grace is how long an attempt's answer may take to begin and still be

@@ -59,7 +59,7 @@ func (r *run) begin() {
 }
 
 // next runs attempts from r.n on: true when the call ended, false when an
-// attempt parked.
+// attempt, or a backoff, parked.
 func (r *run) next() bool {
 	for {
 		t, end, ok := r.st.pick(r.n, r.res.Delivered)
@@ -74,8 +74,8 @@ func (r *run) next() bool {
 		if r.attempt() {
 			return false
 		}
-		if r.after() {
-			return true
+		if end, paused := r.after(); end || paused {
+			return end
 		}
 		r.n++
 	}
@@ -91,25 +91,29 @@ func (r *run) end() Result {
 	return r.res
 }
 
-// after reads attempt r.n's verdict: true when the call ends with it,
-// false when another attempt follows (after its backoff, waited here).
-func (r *run) after() bool {
+// after reads attempt r.n's verdict: end when the call ends with it;
+// otherwise another attempt follows, after its backoff: slept here, or,
+// for a run that may park and knows when to stop (Call.Stop), waited out
+// parked (parkedRun.pause). paused says the latter: the attempts go on
+// from the pause's end, on another goroutine, which may already be
+// running, so the caller returns without touching the run.
+func (r *run) after() (end, paused bool) {
 	r.leaveGate() // an attempt that sent nothing (a shared pull's) ends here; no backoff holds the slot
 	p, c, res := r.p, r.c, &r.res
 	res.Attempts, res.enc = r.n, r.t.enc
 	res.Delivered = res.Delivered || res.Verdict.Delivery != NotSent
 	if r.t.failedReg > 0 && p.endFailedRegistration(c, &r.t, &res.Verdict) {
-		return true
+		return true, false
 	}
 	if !res.Verdict.Retry && p.unknownWhilePending(c, &res.Verdict) {
 		res.Verdict.Retry = true
 	}
 	if !res.Verdict.Retry || r.n >= r.pol.MaxAttempts || !r.st.more(r.n+1) {
-		return true
+		return true, false
 	}
 	wait := r.pol.Backoff(r.n, p.rand(), p.retryAfter(c, &res.Verdict))
 	if p.clk.Now().Add(wait).After(r.deadline) {
-		return true
+		return true, false
 	}
 	// A long poll whose try ran out in the gateway while the encoder
 	// held it (by design: sglang holds a pull up to 180s) goes on
@@ -123,11 +127,15 @@ func (r *run) after() bool {
 	// charging each would spend the budget TP times for one round trip.
 	if !heldPollExpired(&res.Verdict) && !res.Verdict.Shared && !r.budget.Retry() {
 		p.m.budgetExhausted.WithLabelValues(c.Route.Label).Inc()
-		return true
+		return true, false
 	}
 	p.m.retries.WithLabelValues(c.Route.Label, res.Verdict.Reason).Inc()
 	p.m.backoff.Observe(wait.Seconds())
-	return !p.sleep(c.Done, wait)
+	if r.pk != nil && c.Stop != nil {
+		r.pk.pause(wait)
+		return false, true
+	}
+	return !p.sleep(c.Done, wait), false
 }
 
 // attempt is one exchange of the call with r.t, judged once; the breaker
@@ -202,14 +210,14 @@ func (r *run) attempt() bool {
 
 // resume finishes a parked attempt (its answer has begun, or its try's
 // deadline passed) and goes on with the call: true when the call ended,
-// false when a later attempt parked in turn.
+// false when a backoff or a later attempt parked in turn.
 func (r *run) resume(sent *sentRequest) bool {
 	err := sent.receive(r.c.Resp)
 	r.t.enc.release(r.t.poll)
 	r.exchanged(err)
 	r.settle()
-	if r.after() {
-		return true
+	if end, paused := r.after(); end || paused {
+		return end
 	}
 	r.n++
 	return r.next()
