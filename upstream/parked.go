@@ -83,11 +83,13 @@ func (pr *parkedRun) pinWaited() { pr.p.sendGate.enter(pr.afterPin) }
 // (run.attempt) or the call ends without one.
 func (pr *parkedRun) afterPin() {
 	pr.run.gated = true
-	ended := pr.run.next()
-	pr.run.leaveGate()
-	if ended {
+	if pr.run.next() {
+		pr.run.leaveGate()
 		pr.finished(pr.run.end())
 	}
+	// Otherwise an attempt or a backoff parked, and the slot was left
+	// before it did (run.attempt, run.after): the run may already go on
+	// elsewhere, so it is not touched here.
 }
 
 // unseenPart reports a follow-up that waited affinity.unknown_wait for its
@@ -208,11 +210,11 @@ func (pr *parkedRun) pauseEnded(stopped bool) {
 func (pr *parkedRun) afterPause() {
 	pr.run.gated = true
 	pr.run.n++
-	ended := pr.run.next()
-	pr.run.leaveGate()
-	if ended {
+	if pr.run.next() {
+		pr.run.leaveGate()
 		pr.finished(pr.run.end())
 	}
+	// Otherwise parked again, the slot left first (see afterPin).
 }
 
 // grace is how long an attempt's answer may take to begin and still be
