@@ -75,18 +75,34 @@ type Result struct {
 // which case it follows the pin as every follow-up does (the pinned
 // strategy). Its outcome is then recorded on the pin.
 func (p *Pool) Exchange(c *Call) Result {
+	pr := parkedRuns.Get().(*parkedRun)
+	pr.call = *c // the run reads its own copy, so the caller's may stay on its stack
+	p.startRun(pr, &pr.call, nil)
+	pr.run.next()
+	res := pr.run.end()
+	pr.recycle() // it never parked: nothing else can reach it
+	return res
+}
+
+// startRun begins c's run in pr, a pooled run (its strategy in it, so the
+// call allocates neither); finished, when set, makes it a parkable run
+// (ExchangeParked) that ends by calling finished.
+func (p *Pool) startRun(pr *parkedRun, c *Call, finished func(Result)) {
 	f := p.fleet.Load()
-	pol := f.set.Retry.Policy(c.Route.Label)
-	var st strategy
-	if c.Route.Kind == sglang.KindEncode {
-		st = &ranked{p: p, c: c}
-	} else {
-		st = &pinned{p: p, c: c}
+	pr.finished = finished
+	r := &pr.run
+	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label)}
+	if finished != nil {
+		r.pk = pr
 	}
-	r := run{p: p, c: c, f: f, pol: pol, st: st}
+	if c.Route.Kind == sglang.KindEncode {
+		pr.ranked = ranked{p: p, c: c}
+		r.st = &pr.ranked
+	} else {
+		pr.pinned = pinned{p: p, c: c}
+		r.st = &pr.pinned
+	}
 	r.begin()
-	r.next()
-	return r.end()
 }
 
 // A strategy picks the target of each attempt of one call.

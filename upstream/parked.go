@@ -29,19 +29,9 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 	if p.poller == nil {
 		return p.Exchange(c), true
 	}
-	f := p.fleet.Load()
 	pr := parkedRuns.Get().(*parkedRun)
-	pr.finished = finished
+	p.startRun(pr, c, finished)
 	r := &pr.run
-	*r = run{p: p, c: c, f: f, pol: f.set.Retry.Policy(c.Route.Label), pk: pr}
-	if c.Route.Kind == sglang.KindEncode {
-		pr.ranked = ranked{p: p, c: c}
-		r.st = &pr.ranked
-	} else {
-		pr.pinned = pinned{p: p, c: c}
-		r.st = &pr.pinned
-	}
-	r.begin()
 	// A follow-up that comes before its part's /encode waits up to
 	// affinity.unknown_wait for the pin (pinned.pick): parked as well,
 	// when nothing but this table can end the wait.
@@ -152,6 +142,9 @@ type parkedRun struct {
 	// that never parks allocates none.
 	pinned pinned
 	ranked ranked
+	// call is the copy of Exchange's call that its run reads (a parked
+	// call's is the caller's own, kept until it finishes).
+	call Call
 
 	mu    sync.Mutex
 	gen   uint64
