@@ -3,6 +3,7 @@ package upstream
 import (
 	"bytes"
 	"context"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -75,14 +76,25 @@ type Result struct {
 // which case it follows the pin as every follow-up does (the pinned
 // strategy). Its outcome is then recorded on the pin.
 func (p *Pool) Exchange(c *Call) Result {
-	pr := parkedRuns.Get().(*parkedRun)
-	pr.call = *c // the run reads its own copy, so the caller's may stay on its stack
-	p.startRun(pr, &pr.call, nil)
-	pr.run.next()
-	res := pr.run.end()
-	pr.recycle() // it never parked: nothing else can reach it
+	sr := syncRuns.Get().(*syncRun)
+	sr.call = *c // the run reads its own copy, so the caller's may stay on its stack
+	p.startRun(&sr.pr, &sr.call, nil)
+	sr.pr.run.next()
+	res := sr.pr.run.end()
+	*sr = syncRun{} // it never parked: nothing else can reach it
+	syncRuns.Put(sr)
 	return res
 }
+
+// syncRun is Exchange's pooled run, one that never parks, with the copy of
+// its call (a parked call's is its caller's, so a held pull does not
+// carry this one).
+type syncRun struct {
+	pr   parkedRun
+	call Call
+}
+
+var syncRuns = sync.Pool{New: func() any { return new(syncRun) }}
 
 // startRun begins c's run in pr, a pooled run (its strategy in it, so the
 // call allocates neither); finished, when set, makes it a parkable run

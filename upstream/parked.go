@@ -142,9 +142,6 @@ type parkedRun struct {
 	// that never parks allocates none.
 	pinned pinned
 	ranked ranked
-	// call is the copy of Exchange's call that its run reads (a parked
-	// call's is the caller's own, kept until it finishes).
-	call Call
 
 	mu    sync.Mutex
 	gen   uint64
