@@ -115,6 +115,16 @@ func (p *Pool) startRun(pr *parkedRun, c *Call, finished func(Result)) {
 		r.st = &pr.pinned
 	}
 	r.begin()
+	if c.Route.Kind == sglang.KindFollowUp {
+		// Most follow-ups find their part pinned here: that pin, read at
+		// the call's start, is attempt 1's, with no wait for it, and the
+		// attempt begins at that start too, so the call reads the clock
+		// for neither.
+		if pin, ok := p.pins.LocalAt(c.ReqID, r.start); ok {
+			pr.pinned.have, pr.pinned.pin = true, pin
+			r.tryStart = r.start
+		}
+	}
 }
 
 // A strategy picks the target of each attempt of one call.
@@ -353,6 +363,8 @@ type pinned struct {
 	t      target
 	found  bool // attempt 1 followed a pin
 	waited bool // the wait for a pin was done before attempt 1 (ExchangeParked)
+	have   bool // pin is attempt 1's, read at the call's start (startRun)
+	pin    Pin
 }
 
 func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
@@ -375,6 +387,8 @@ func (s *pinned) pick(n int, sent bool) (target, *Verdict, bool) {
 	switch {
 	case s.c.Route.Kind == sglang.KindEncode:
 		pin, ok = s.p.pins.Get(s.c.ReqID)
+	case s.have:
+		pin, ok = s.pin, true
 	case s.waited: // ExchangeParked waited already (PinTable.WaitFunc)
 		pin, ok = s.p.pins.Wait(s.c.ReqID, 0, s.c.Done)
 	default:

@@ -35,7 +35,7 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 	// A follow-up that comes before its part's /encode waits up to
 	// affinity.unknown_wait for the pin (pinned.pick): parked as well,
 	// when nothing but this table can end the wait.
-	if pn, ok := r.st.(*pinned); ok && c.Route.Kind == sglang.KindFollowUp {
+	if pn, ok := r.st.(*pinned); ok && c.Route.Kind == sglang.KindFollowUp && !pn.have {
 		pn.waited = true // before the wait is registered: it may end at once
 		if !p.pins.WaitFunc(c.ReqID, p.aff.UnknownWait.D(), pr.pinWaited) {
 			return Result{}, false

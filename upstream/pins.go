@@ -558,7 +558,13 @@ func (t *PinTable) fetch(reqID string) (Pin, bool) {
 
 // Local returns this table's pin for reqID, never asking the share.
 func (t *PinTable) Local(reqID string) (Pin, bool) {
-	now := t.clk.Now().UnixNano()
+	return t.LocalAt(reqID, t.clk.Now())
+}
+
+// LocalAt is Local at now, a time the caller read from the table's clock
+// already (a request's start).
+func (t *PinTable) LocalAt(reqID string, at time.Time) (Pin, bool) {
+	now := at.UnixNano()
 	s := t.shard(reqID)
 	s.mu.Lock()
 	defer s.mu.Unlock()

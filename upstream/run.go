@@ -21,6 +21,7 @@ type run struct {
 	pol      *RetryPolicy
 	st       strategy
 	budget   *Budget
+	start    time.Time // the call's start: its one clock read (Call.Start)
 	deadline time.Time // the route's, from the call's start
 	res      Result
 	n        int       // the attempt in progress, from 1
@@ -49,6 +50,7 @@ func (r *run) begin() {
 	if now.IsZero() {
 		now = r.p.clk.Now()
 	}
+	r.start = now
 	r.deadline = now.Add(r.pol.Deadline.D())
 	if r.c.Limit > 0 && now.Add(r.c.Limit).Before(r.deadline) {
 		r.deadline = now.Add(r.c.Limit)
@@ -143,7 +145,9 @@ func (r *run) after() (end, paused bool) {
 // parked: resume finishes it.
 func (r *run) attempt() bool {
 	p, c, t, v := r.p, r.c, &r.t, &r.res.Verdict
-	r.tryStart = p.clk.Now()
+	if r.n > 1 || r.tryStart.IsZero() {
+		r.tryStart = p.clk.Now()
+	} // else startRun found attempt 1's pin with no wait: it began at the call's start
 	timeout := min(r.pol.PerTryTimeout.D(), r.deadline.Sub(r.tryStart))
 	if t.failedReg > 0 {
 		timeout = min(timeout, t.failedReg)
