@@ -13,6 +13,7 @@ import (
 
 	"github.com/encgate/encgate/fakeencoder"
 	"github.com/encgate/encgate/internal/configfile"
+	"github.com/encgate/encgate/internal/redistest"
 	"github.com/encgate/encgate/internal/sglang"
 	"github.com/encgate/encgate/upstream"
 )
@@ -333,6 +334,53 @@ func TestPullsWaitingForTheirPinPark(t *testing.T) {
 	}
 	eventually(t, "nothing waiting, parked or watched", func() bool {
 		return metricValue(t, g, "encgate_pin_waiters") == 0 && metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0
+	})
+}
+
+// With the replicas sharing their pins through Redis, a pull that comes
+// to one replica before its part's /encode (sent to another) waits parked
+// as well: no goroutine in the request path while it waits, and the
+// placement published by the other replica ends its wait.
+func TestPullsWaitingForASharedPinPark(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
+	const n = 20
+	encs := startFakes(t, 1, nil)
+	rd := redistest.Start(t)
+	var gws [2]*gw
+	for i := range gws {
+		gws[i] = startGateway(t, fakeURLs(encs), func(c *Config) {
+			c.Idempotency.Store = "redis"
+			c.Redis.Addr = rd.Addr()
+			c.Affinity.UnknownWait = configfile.Duration(time.Minute)
+			c.Health.Disabled = true
+		})
+	}
+	waiting, placing := gws[0], gws[1]
+	pl := waiting.Pool().Poller()
+	pulls := map[string]<-chan result{}
+	for i := range n {
+		id := fmt.Sprintf("shared-early-%d_local_part_0", i)
+		pulls[id] = postAsync(waiting.base+"/scheduler_receive_meta_data", metaBody(id))
+	}
+	eventually(t, "every pull waiting for its pin, its client watched", func() bool {
+		return metricValue(t, waiting, "encgate_pin_waiters") == n && pl.Armed() == n
+	})
+	if k := requestGoroutines(t); k != 0 {
+		t.Fatalf("%d goroutines in the request path with %d pulls waiting for shared pins, want 0", k, n)
+	}
+	for id := range pulls {
+		if a := post(t, placing.base+"/encode", encodeBody(id)); a.status != http.StatusOK {
+			t.Fatalf("/encode %s on the other replica: %d %s", id, a.status, a.body)
+		}
+	}
+	for id, ch := range pulls {
+		r := <-ch
+		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
+			t.Fatalf("pull %s: %v %d %s", id, r.err, r.a.status, r.a.body)
+		}
+	}
+	eventually(t, "nothing waiting, parked or watched", func() bool {
+		return metricValue(t, waiting, "encgate_pin_waiters") == 0 && metricValue(t, waiting, "encgate_upstream_parked") == 0 && pl.Armed() == 0
 	})
 }
 

@@ -577,19 +577,24 @@ func (t *PinTable) LocalAt(reqID string, at time.Time) (Pin, bool) {
 
 // WaitFunc is Wait with nothing waiting: a parked follow-up's
 // (ExchangeParked). It reports true, and registers nothing, when Wait
-// would not wait (reqID has a live pin here, or d <= 0) or cannot wait
-// without a goroutine (pins are shared: Wait reads the share); the caller
-// then goes on (calling Wait). Otherwise fn runs once, on a goroutine of
-// its own, when reqID is pinned or failed here or d has passed on the
+// would not wait (reqID has a live pin here, or d <= 0); the caller then
+// goes on (calling Wait). Otherwise fn runs once, on a goroutine of its
+// own, when reqID is pinned or failed here or d has passed on the
 // injected clock; fn then reads the pin (Wait with d 0).
+//
+// With a share, it waits as Wait does, with no goroutine of its own: the
+// share is read once the waiter is registered (on the caller's goroutine,
+// one read shared by the waiters that arrive together, see readFor), a
+// placement message wakes it, and a timer of the share's Poll reads the
+// share again while it waits, on the timer's goroutine.
 func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool) {
-	if _, ok := t.Local(reqID); ok || d <= 0 || t.share != nil {
+	if _, ok := t.Local(reqID); ok || d <= 0 {
 		return true
 	}
 	s := t.shard(reqID)
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if i, ok := s.m[reqID]; ok && s.e[i].expires > t.clk.Now().UnixNano() {
+		s.mu.Unlock()
 		return true
 	}
 	w := s.waiting[reqID]
@@ -598,16 +603,15 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool)
 		s.waiting[reqID] = w
 	}
 	w.n++
-	var fired atomic.Bool
-	var timer clock.Timer
+	fw := &funcWait{}
 	w.fns = append(w.fns, func() { // the pin came (wake)
-		if fired.CompareAndSwap(false, true) {
-			timer.Stop()
+		if fw.fire() {
 			fn()
 		}
 	})
-	timer = t.clk.AfterFunc(d, func() {
-		if !fired.CompareAndSwap(false, true) {
+	fw.mu.Lock() // the deadline's function may run before AfterFunc returns
+	fw.timer = t.clk.AfterFunc(d, func() {
+		if !fw.fire() {
 			return
 		}
 		s.mu.Lock()
@@ -617,7 +621,62 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool)
 		s.mu.Unlock()
 		fn()
 	})
+	fw.mu.Unlock()
+	// As in Wait: decided in the lock that registers this waiter.
+	read := t.share != nil && !w.reading
+	w.reading = w.reading || read
+	s.mu.Unlock()
+	if t.share == nil {
+		return false
+	}
+	if read {
+		t.readLoop(s, reqID, w) // stores a pin it finds, which wakes w
+	}
+	fw.pollEvery(t.clk, t.share.Poll(), func() bool { _, ok := t.fetch(reqID); return ok })
 	return false
+}
+
+// funcWait is one WaitFunc registration's state: fired once, by the pin,
+// the deadline or a poll's find, and its timers, which fire stops.
+type funcWait struct {
+	mu    sync.Mutex
+	fired bool
+	timer clock.Timer // the deadline's
+	poll  clock.Timer // the share's next read, while it waits
+}
+
+// fire reports whether this is the registration's first end, and stops
+// its timers if so.
+func (fw *funcWait) fire() bool {
+	fw.mu.Lock()
+	defer fw.mu.Unlock()
+	if fw.fired {
+		return false
+	}
+	fw.fired = true
+	if fw.timer != nil {
+		fw.timer.Stop()
+	}
+	if fw.poll != nil {
+		fw.poll.Stop()
+	}
+	return true
+}
+
+// pollEvery runs read every d while the registration waits: a pin it finds
+// is stored, which wakes the waiter (a placement message lost to a
+// reconnect is found so).
+func (fw *funcWait) pollEvery(clk clock.Clock, d time.Duration, read func() bool) {
+	fw.mu.Lock()
+	defer fw.mu.Unlock()
+	if fw.fired {
+		return
+	}
+	fw.poll = clk.AfterFunc(d, func() {
+		if !read() {
+			fw.pollEvery(clk, d, read)
+		}
+	})
 }
 
 // Wait returns reqID's pin, waiting up to d for one to be set. It gives up

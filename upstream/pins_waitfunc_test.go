@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -55,6 +56,107 @@ func TestPinWaitFuncRunsOnceOnThePinOrTheDeadline(t *testing.T) {
 	if !tab.WaitFunc("d", time.Second, func() {}) {
 		t.Fatal("registered for a pinned req_id")
 	}
+	select {
+	case got := <-ran:
+		t.Fatalf("%s ran twice", got)
+	default:
+	}
+}
+
+// polledShare is a gatedShare whose placements are polled every poll.
+type polledShare struct {
+	*gatedShare
+	poll time.Duration
+}
+
+func (p polledShare) Poll() time.Duration { return p.poll }
+
+// With pins shared, WaitFunc waits as Wait does but with no goroutine of
+// its own: it returns once the share has been read, and its function runs
+// once, when that read finds the pin, a placement message's read does, a
+// poll's does, or the deadline passes; after it, no timer is left.
+func TestPinWaitFuncWithASharedTable(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1000, 0))
+	g := &gatedShare{gets: make(chan struct{}, 64), gate: make(chan bool), placed: make(chan func(string), 1),
+		pin: Pin{Encoder: "enc-1", EncoderID: 1, State: PinEncoded}}
+	tab := NewPinTable(time.Hour, 100, clk)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := tab.Share(ctx, polledShare{g, time.Second}, nil)
+	t.Cleanup(func() { cancel(); <-done })
+	placed := <-g.placed
+	ran := make(chan string, 4)
+	registered := func(id string, d time.Duration, found bool) {
+		t.Helper()
+		ret := make(chan bool, 1)
+		go func() { ret <- tab.WaitFunc(id, d, func() { ran <- id }) }()
+		select {
+		case <-g.gets: // the read at registration, on WaitFunc's caller
+		case now := <-ret:
+			t.Fatalf("%s: WaitFunc returned %v without reading the share", id, now)
+		}
+		g.gate <- found
+		if now := <-ret; now {
+			t.Fatalf("%s: WaitFunc went on at once (registered nothing)", id)
+		}
+	}
+	timersLeft := func(id string) {
+		t.Helper()
+		if n := tab.Waiting(); n != 0 {
+			t.Fatalf("%s: %d waiting after its function ran", id, n)
+		}
+		if n := clk.Pending(); n != 0 {
+			t.Fatalf("%s: %d timers left after its function ran", id, n)
+		}
+	}
+
+	// The read at registration finds the pin.
+	registered("a", 10*time.Second, true)
+	if got := <-ran; got != "a" {
+		t.Fatal(got)
+	}
+	timersLeft("a")
+
+	// A placement message: its read finds the pin.
+	registered("b", 10*time.Second, false)
+	if n := tab.Waiting(); n != 1 {
+		t.Fatalf("b: waiting %d, want 1", n)
+	}
+	go placed("b")
+	<-g.gets
+	g.gate <- true
+	if got := <-ran; got != "b" {
+		t.Fatal(got)
+	}
+	timersLeft("b")
+
+	// No message (lost to a reconnect): the poll finds it.
+	registered("c", 10*time.Second, false)
+	clk.Advance(time.Second)
+	<-g.gets
+	g.gate <- true
+	if got := <-ran; got != "c" {
+		t.Fatal(got)
+	}
+	timersLeft("c")
+
+	// Nothing comes: a poll finds nothing and the next is armed; the
+	// deadline ends the wait, and the poll armed then is stopped.
+	registered("d", 1500*time.Millisecond, false)
+	clk.Advance(time.Second)
+	<-g.gets
+	g.gate <- false
+	for { // until the next poll is armed, by the one that found nothing
+		created := clk.TimerCreated()
+		if clk.Pending() == 2 {
+			break
+		}
+		<-created
+	}
+	clk.Advance(500 * time.Millisecond)
+	if got := <-ran; got != "d" {
+		t.Fatal(got)
+	}
+	timersLeft("d")
 	select {
 	case got := <-ran:
 		t.Fatalf("%s ran twice", got)
