@@ -337,6 +337,42 @@ func TestPullsWaitingForTheirPinPark(t *testing.T) {
 	})
 }
 
+// Every receiver TP rank pulls each part: while one rank's pull is at the
+// encoder, the others wait for it (affinity.metadata_cache) parked too,
+// with no goroutine in the request path, and all get its answer.
+func TestPullsOfOnePartWaitForItParked(t *testing.T) {
+	chaosLeakCheck(t) // no goroutine or descriptor outlives it
+	const tp = 8
+	encs := startFakes(t, 1, nil)
+	g := parkedGateway(t, encs, nil)
+	pl := g.Pool().Poller()
+	id := "tp-ranks_local_part_0"
+	var pulls [tp]<-chan result
+	for i := range pulls {
+		pulls[i] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(id))
+	}
+	eventually(t, "one pull at the encoder, parked, the others waiting for it, every client watched", func() bool {
+		return metricValue(t, g, "encgate_upstream_parked") == 1 && metricValue(t, g, "encgate_metadata_pulls_waiting") == tp-1 &&
+			pl.Armed() == tp+1
+	})
+	if k := requestGoroutines(t); k != 0 {
+		t.Fatalf("%d goroutines in the request path with %d pulls of one part held, want 0", k, tp)
+	}
+	encodeAt(t, encs[0], id)
+	for i, ch := range pulls {
+		r := <-ch
+		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
+			t.Fatalf("pull %d: %v %d %s", i, r.err, r.a.status, r.a.body)
+		}
+	}
+	if got := encs[0].Stats().Routes["/scheduler_receive_meta_data"]; got != 1 {
+		t.Fatalf("the encoder saw %d pulls of the part, want 1", got)
+	}
+	eventually(t, "nothing parked, waiting or watched", func() bool {
+		return metricValue(t, g, "encgate_upstream_parked") == 0 && metricValue(t, g, "encgate_metadata_pulls_waiting") == 0 && pl.Armed() == 0
+	})
+}
+
 // With the replicas sharing their pins through Redis, a pull that comes
 // to one replica before its part's /encode (sent to another) waits parked
 // as well: no goroutine in the request path while it waits, and the

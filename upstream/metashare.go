@@ -37,7 +37,8 @@ type metaShare struct {
 	flights map[shareKey]*metaFlight
 	done    *simplelru.LRU[shareKey, *metaAnswer]
 	byReq   map[string][]shareKey // the done keys of each req_id, for drop
-	waiting atomic.Int64          // pulls waiting on a flight (tests)
+	waiting atomic.Int64          // pulls waiting on a flight, parked or not (tests)
+	waitG   prometheus.Gauge      // encgate_metadata_pulls_waiting
 
 	inflight prometheus.Counter // encgate_metadata_pulls_shared_total{how="inflight"}
 	answered prometheus.Counter // encgate_metadata_pulls_shared_total{how="answered"}
@@ -59,11 +60,13 @@ type metaAnswer struct {
 	ctype  []byte
 }
 
-// metaFlight is a pull at the encoder; done closes once ans is set.
+// metaFlight is a pull at the encoder; done closes once ans is set, and
+// fns (parked waiters', see onFinish) then run.
 type metaFlight struct {
 	key  shareKey
 	done chan struct{}
 	ans  metaAnswer
+	fns  []func() // run, each on a goroutine of its own, once done closes; under metaShare.mu
 }
 
 // Ways a pull was answered without its own round trip.
@@ -77,7 +80,8 @@ func newMetaShare(size int, clk clock.Clock, m *poolMetrics) *metaShare {
 		return nil
 	}
 	s := &metaShare{clk: clk, flights: map[shareKey]*metaFlight{}, byReq: map[string][]shareKey{},
-		inflight: m.metaShared.WithLabelValues(SharedInflight), answered: m.metaShared.WithLabelValues(SharedAnswered)}
+		inflight: m.metaShared.WithLabelValues(SharedInflight), answered: m.metaShared.WithLabelValues(SharedAnswered),
+		waitG: m.metaWaiting}
 	// The eviction callback runs inside Add and Remove, which are only
 	// called with mu held.
 	s.done, _ = simplelru.NewLRU(size, func(k shareKey, _ *metaAnswer) { s.unindex(k) })
@@ -96,44 +100,70 @@ func keyOf(c *Call, enc uint64) (shareKey, bool) {
 	return shareKey{reqID: c.ReqID, part: string(raw[0]), enc: enc}, true
 }
 
-// join decides one pull attempt: answered from a kept answer or a flight
-// (served true: c.Resp and o hold the observation), or sent by this caller,
-// which then leads fl (nil when the body gives no key) and must finish it.
-func (s *metaShare) join(c *Call, enc uint64, timeout time.Duration, o *Observation) (fl *metaFlight, served bool) {
+// join decides one pull attempt: answered from a kept answer (served
+// true: c.Resp and o hold the observation), answered by lead, another
+// pull's flight of the same key, once it ends (the caller waits for it:
+// wait, or onFinish), or sent by this caller, which then leads fl (nil
+// when the body gives no key) and must finish it.
+func (s *metaShare) join(c *Call, enc uint64, o *Observation) (fl, lead *metaFlight, served bool) {
 	k, ok := keyOf(c, enc)
 	if !ok {
-		return nil, false
+		return nil, nil, false
 	}
 	s.mu.Lock()
 	if a, ok := s.done.Get(k); ok {
 		s.mu.Unlock()
 		a.copyTo(c.Resp, o)
 		s.answered.Inc()
-		return nil, true
+		return nil, nil, true
 	}
 	if lead, ok := s.flights[k]; ok {
 		s.mu.Unlock()
-		s.wait(c, lead, timeout, o)
-		return nil, true
+		return nil, lead, false
 	}
 	fl = &metaFlight{key: k, done: make(chan struct{})}
 	s.flights[k] = fl
 	s.mu.Unlock()
-	return fl, false
+	return fl, nil, false
+}
+
+// onFinish registers fn to run, on a goroutine of its own, once lead ends:
+// a parked pull's wait for it, with no goroutine meanwhile. false when
+// lead has ended already (its answer can be taken at once: took).
+func (s *metaShare) onFinish(lead *metaFlight, fn func()) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.flights[lead.key] != lead {
+		return false // finish set the answer before it let go of the key
+	}
+	lead.fns = append(lead.fns, fn)
+	return true
+}
+
+// waitingOn counts a pull waiting on a flight, parked or not: delta +1
+// as it begins, -1 as it ends.
+func (s *metaShare) waitingOn(delta int64) {
+	s.waiting.Add(delta)
+	s.waitG.Add(float64(delta))
+}
+
+// took is lead's observation, for a pull that waited for it.
+func (s *metaShare) took(c *Call, lead *metaFlight, o *Observation) {
+	lead.ans.copyTo(c.Resp, o)
+	s.inflight.Inc()
 }
 
 // wait takes lead's observation, or ends at c's own try timeout (a
 // timeout, as if its own pull had run out) or Call.Done (canceled).
 func (s *metaShare) wait(c *Call, lead *metaFlight, timeout time.Duration, o *Observation) {
-	s.waiting.Add(1) // before the timer: a test sees it once the timer is made
-	defer s.waiting.Add(-1)
+	s.waitingOn(1) // before the timer: a test sees it once the timer is made
+	defer s.waitingOn(-1)
 	t := s.clk.NewTimer(timeout)
 	defer t.Stop()
 	c.Resp.Reset()
 	select {
 	case <-lead.done:
-		lead.ans.copyTo(c.Resp, o)
-		s.inflight.Inc()
+		s.took(c, lead, o)
 	case <-t.C():
 		*o = Observation{Err: fasthttp.ErrTimeout}
 	case <-c.Done:
@@ -152,6 +182,8 @@ func (s *metaShare) finish(fl *metaFlight, resp *fasthttp.Response, o Observatio
 	}
 	s.mu.Lock()
 	delete(s.flights, fl.key)
+	fns := fl.fns
+	fl.fns = nil
 	if o.Err == nil && o.Status == fasthttp.StatusOK {
 		if _, had := s.done.Peek(fl.key); !had {
 			s.byReq[fl.key.reqID] = append(s.byReq[fl.key.reqID], fl.key)
@@ -160,6 +192,9 @@ func (s *metaShare) finish(fl *metaFlight, resp *fasthttp.Response, o Observatio
 	}
 	s.mu.Unlock()
 	close(fl.done)
+	for _, f := range fns {
+		go f()
+	}
 }
 
 // drop forgets the kept answers of reqID: its /encode is being placed

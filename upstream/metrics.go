@@ -32,9 +32,10 @@ type poolMetrics struct {
 	budgetExhausted *prometheus.CounterVec   // route
 	backoff         prometheus.Histogram
 
-	metaShared *prometheus.CounterVec // how
-	parked     prometheus.Gauge       // encgate_upstream_parked
-	paused     prometheus.Gauge       // encgate_upstream_backoffs_parked
+	metaShared  *prometheus.CounterVec // how
+	metaWaiting prometheus.Gauge       // encgate_metadata_pulls_waiting
+	parked      prometheus.Gauge       // encgate_upstream_parked
+	paused      prometheus.Gauge       // encgate_upstream_backoffs_parked
 
 	// hot caches requests{encoder, route, code="200"} by hotKey, so the
 	// common answer skips the vector's label hashing. Bounded by the
@@ -140,11 +141,15 @@ func newPoolMetrics(reg prometheus.Registerer) *poolMetrics {
 		Name: "encgate_upstream_parked",
 		Help: "Attempts whose request is out and whose answer the encoder has not begun (50 ms after the request went out, or later), parked: watched by the poller with no goroutine of their own (long polls: metadata pulls and registrations).",
 	})
+	m.metaWaiting = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "encgate_metadata_pulls_waiting",
+		Help: "Metadata pulls waiting for another pull of the same part at its encoder to be answered (affinity.metadata_cache: every receiver TP rank pulls each part); a parkable one waits parked, with no goroutine of its own.",
+	})
 	m.paused = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "encgate_upstream_backoffs_parked",
 		Help: "Calls waiting out a retry backoff parked: a timer with no goroutine of their own (long polls and /encode, whose attempts park; other routes sleep their backoffs).",
 	})
-	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.duration, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.parked, m.paused)
+	reg.MustRegister(m.state, m.transitions, m.ejected, m.ejections, m.skipped, m.ejection, m.healthy, m.refused, m.polls, m.outcomes, m.requests, m.duration, m.retries, m.budgetExhausted, m.backoff, m.metaShared, m.metaWaiting, m.parked, m.paused)
 	m.metaShared.WithLabelValues(SharedInflight)
 	m.metaShared.WithLabelValues(SharedAnswered)
 	for _, r := range sglang.RetryLabels {

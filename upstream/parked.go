@@ -5,6 +5,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/encgate/encgate/internal/clock"
 	"github.com/encgate/encgate/internal/poller"
 	"github.com/encgate/encgate/internal/sglang"
@@ -155,6 +157,80 @@ type parkedRun struct {
 	pauseStop  func() bool
 	// Func values made once per run, for the pause's timer and stop.
 	pauseEndFn, pauseStopFn func()
+	// A metadata pull waiting parked for another of the same part
+	// (awaitFlight): that pull's flight, and this wait's timer and stop.
+	flight      *metaFlight
+	flightTimer clock.Timer
+	flightStop  func() bool
+}
+
+// How a parked wait on a flight ended.
+const (
+	flightAnswered = iota
+	flightTimedOut
+	flightStopped
+)
+
+// awaitFlight waits parked for lead, another pull's exchange of the same
+// part at its encoder (metaShare), for up to timeout (this attempt's try)
+// or until the call's Stop: false when lead has ended already (its answer
+// is then taken at once, where the attempt runs).
+func (pr *parkedRun) awaitFlight(lead *metaFlight, timeout time.Duration) bool {
+	r := &pr.run
+	r.leaveGate() // nothing is sent: the slot is not this wait's to hold
+	pr.mu.Lock()
+	defer pr.mu.Unlock() // the functions below wait for it: they may run before it is set up
+	pr.gen++
+	gen := pr.gen
+	pr.woke = false
+	if !pr.p.meta.onFinish(lead, func() { pr.flightEnded(gen, flightAnswered) }) {
+		return false
+	}
+	pr.p.meta.waitingOn(1) // before the timer: a test sees it once the timer is made
+	pr.flight = lead
+	pr.flightTimer = pr.p.clk.AfterFunc(timeout, func() { pr.flightEnded(gen, flightTimedOut) })
+	pr.flightStop = context.AfterFunc(pr.c.Stop, func() { pr.flightEnded(gen, flightStopped) })
+	return true
+}
+
+// flightEnded goes on with a pull that waited parked for another's
+// exchange, once: the first of its end, the try's timeout and the call's
+// Stop. Its observation is judged as a shared one, as a pull that waited
+// on its goroutine would judge it, and the call goes on from there.
+func (pr *parkedRun) flightEnded(gen uint64, how int) {
+	pr.mu.Lock()
+	if gen != pr.gen || pr.woke || pr.flight == nil {
+		pr.mu.Unlock()
+		return
+	}
+	pr.woke = true
+	pr.flightTimer.Stop()
+	pr.flightStop()
+	lead := pr.flight
+	pr.flight, pr.flightTimer, pr.flightStop = nil, nil, nil
+	pr.mu.Unlock()
+	r := &pr.run
+	r.p.meta.waitingOn(-1)
+	var o Observation
+	switch how {
+	case flightAnswered:
+		r.p.meta.took(r.c, lead, &o)
+	case flightTimedOut:
+		o.Err = fasthttp.ErrTimeout // as if its own pull had run out
+	default:
+		o.Err = context.Canceled
+	}
+	r.sharedVerdict(o)
+	if end, paused := r.after(); end || paused {
+		if end {
+			pr.finished(r.end())
+		}
+		return
+	}
+	r.n++
+	if r.next() {
+		pr.finished(r.end())
+	}
 }
 
 // pause waits out a retry backoff of wait parked: the pool's clock runs

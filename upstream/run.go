@@ -159,14 +159,24 @@ func (r *run) attempt() bool {
 	r.fl = nil
 	if c.Route == sglang.RouteMetadata && p.meta != nil {
 		var o Observation
-		var served bool
-		if r.fl, served = p.meta.join(c, t.enc.id, timeout, &o); served {
-			// Another pull's exchange: judged here as this call's own, but
-			// neither told to the breaker nor counted as a request.
-			*v = Judge(c.Route, r.pol, r.f.set.Breaker.Ignore, t.name, o)
-			v.Breaker, v.Shared = MarkNone, true
+		fl, lead, served := p.meta.join(c, t.enc.id, &o)
+		if lead != nil {
+			if r.pk != nil && c.Stop != nil {
+				c.Resp.Reset()
+				if r.pk.awaitFlight(lead, timeout) {
+					return true
+				}
+				p.meta.took(c, lead, &o) // it ended meanwhile
+			} else {
+				p.meta.wait(c, lead, timeout, &o)
+			}
+			served = true
+		}
+		if served {
+			r.sharedVerdict(o)
 			return false
 		}
+		r.fl = fl
 	}
 	r.ticket, r.admitted = t.enc.Breaker.Admit(r.tryStart)
 	if !r.admitted && t.place != nil {
@@ -210,6 +220,14 @@ func (r *run) attempt() bool {
 	r.exchanged(err)
 	r.settle()
 	return false
+}
+
+// sharedVerdict judges another pull's exchange as this attempt's own,
+// but neither told to the breaker nor counted as a request.
+func (r *run) sharedVerdict(o Observation) {
+	v := &r.res.Verdict
+	*v = Judge(r.c.Route, r.pol, r.f.set.Breaker.Ignore, r.t.name, o)
+	v.Breaker, v.Shared = MarkNone, true
 }
 
 // resume finishes a parked attempt (its answer has begun, or its try's
