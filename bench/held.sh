@@ -42,14 +42,17 @@
 # Usage:  N=4000 bash bench/held.sh      (root, or sudo for the apt-get step)
 # Environment (defaults in brackets):
 #   N            held pulls per proxy                                [4000]
+#   TP           pulls per req_id, as a part's receiver TP ranks each
+#                pull its metadata; N must be a multiple. encgate sends
+#                one per part to the fake (affinity.metadata_cache), the
+#                others wait for it; nginx and HAProxy send all N       [1]
 #   ROUNDS       rounds (each runs the three proxies)                [1]
 #   SETTLE       seconds between "all N held" and the RSS readings   [2]
 #   HOLD         extra seconds to hold before the release            [0]
 #                (over ~25, encgate's metadata per_try_timeout of 30 s
 #                ends tries, and past the retry budget clients get 504)
 #   UNKNOWN_WAIT encgate's affinity.unknown_wait: an unpinned pull waits
-#                that long for a pin, on a goroutine, before it is
-#                forwarded and can park; /encode goes straight to the
+#                that long for a pin (parked) before it is forwarded; /encode goes straight to the
 #                fake here, so every pull is unpinned  [unset: the 5s default]
 #   RELEASE_C    pulls released at once (each worker waits for its
 #                pull's answer before the next)                      [1]
@@ -77,7 +80,8 @@ bench_cd_root
 bench_need_go
 ROOT=$PWD
 
-N=${N:-4000} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0} RELEASE_C=${RELEASE_C:-1} ARRIVE_C=${ARRIVE_C:-32}
+N=${N:-4000} TP=${TP:-1} ROUNDS=${ROUNDS:-1} SETTLE=${SETTLE:-2} HOLD=${HOLD:-0} RELEASE_C=${RELEASE_C:-1} ARRIVE_C=${ARRIVE_C:-32}
+((TP >= 1 && N % TP == 0)) || { echo "held.sh: N=$N is not a multiple of TP=$TP" >&2; exit 2; }
 PORT_BASE=${PORT_BASE:-19200} KEEP_TMP=${KEEP_TMP:-0}
 RESULTS=${RESULTS:-$ROOT/bench/results/held.md} UNKNOWN_WAIT=${UNKNOWN_WAIT:-}
 
@@ -250,7 +254,8 @@ RAW=$TMP/raw.tsv # proxy round before_kB after_kB bytes_per_pull ok wrong missin
 : >"$RAW"
 FAILS=()
 measure() { # proxy round
-  local px=$1 r=$2 prefix before=- after=- bpp=- prev held=0 line lat p50 p99
+  local px=$1 r=$2 prefix before=- after=- bpp=- prev held=0 line lat p50 p99 want=$N
+  case $px in encgate*) want=$((N / TP)) ;; esac # one pull per part reaches the fake; its other ranks' wait for it
   prefix=held-$px-; ((r == 1)) || prefix=held-$px-r$r-
   curl -sS --max-time 5 -X POST "http://127.0.0.1:$P_FAKE/_fake/reset" >/dev/null
   [ "$(held_count)" = 0 ] || die "the fake still holds pulls from the previous proxy"
@@ -258,7 +263,7 @@ measure() { # proxy round
   bench_wait_quiet; sleep 1
   [ "$px" = direct ] || before=$(rss_kb "$PROXY_PID")
   rm -f "$TMP/ctl"; mkfifo "$TMP/ctl"
-  $CLI "$TMP/heldclient" hold -addr "127.0.0.1:${PORT_OF[$px]}" -n "$N" -prefix "$prefix" -timeout 120s \
+  $CLI "$TMP/heldclient" hold -addr "127.0.0.1:${PORT_OF[$px]}" -n "$N" -tp "$TP" -prefix "$prefix" -timeout 120s \
     -release "127.0.0.1:$P_FAKE" -rc "$RELEASE_C" -c "$ARRIVE_C" \
     <"$TMP/ctl" >"$TMP/hold-$px-$r.out" 2>"$TMP/hold-$px-$r.err" &
   HOLD_PID=$!
@@ -270,8 +275,8 @@ measure() { # proxy round
     sleep 0.2
   done
   log "$px round $r: $(cat "$TMP/hold-$px-$r.out") in $((SECONDS - t0)) s; waiting for the fake to hold them"
-  while held=$(held_count); ((held < N && SECONDS - t0 < 90)); do sleep 0.2; done
-  ((held == N)) || log "$px round $r: WARNING: the fake holds only $held of $N after $((SECONDS - t0)) s"
+  while held=$(held_count); ((held < want && SECONDS - t0 < 90)); do sleep 0.2; done
+  ((held == want)) || log "$px round $r: WARNING: the fake holds only $held of $want after $((SECONDS - t0)) s"
   log "$px round $r: fake holds $held after $((SECONDS - t0)) s; $(ss -Htn state established "( dport = :$P_FAKE )" | wc -l) established connections to the fake"
   if [ "$px" != direct ]; then
     sleep "$SETTLE"
@@ -282,7 +287,7 @@ measure() { # proxy round
       prev=$after
     done
     held=$(held_count)
-    ((held == N)) || FAILS+=("$px round $r: the fake held $held of $N when RSS was read")
+    ((held == want)) || FAILS+=("$px round $r: the fake held $held of $want when RSS was read")
   fi
   case $px in encgate*)
     curl -sS --max-time 30 "http://127.0.0.1:$P_ADMIN/debug/pprof/heap" >"$TMP/heap-$px-$r.pprof"
@@ -298,7 +303,7 @@ measure() { # proxy round
   local t1=$SECONDS
   echo release >&5; exec 5>&-
   wait "$HOLD_PID" || true; HOLD_PID=
-  grep -q "^encoded $N failed 0\$" "$TMP/hold-$px-$r.out" ||
+  grep -q "^encoded $((N / TP)) failed 0\$" "$TMP/hold-$px-$r.out" ||
     { cat "$TMP/hold-$px-$r.err" >&2; FAILS+=("$px round $r: /encode to the fake failed: $(grep '^encoded' "$TMP/hold-$px-$r.out")"); }
   lat=$(grep '^latency_us ' "$TMP/hold-$px-$r.out" || echo "latency_us n 0 p50 0 p99 0 max 0")
   read -r _ _ _ _ p50 _ p99 _ <<<"$lat"
@@ -366,7 +371,7 @@ table=$TMP/table.md
   echo "- encgate / nginx, bytes per held pull: $(ratio encgate nginx)"
   echo "- encgate / HAProxy, bytes per held pull: $(ratio encgate haproxy)"
   echo "- encgate parked / unparked, bytes per held pull: $(ratio encgate encgate-unparked)"
-  echo "- latency: from just before a pull's /encode is written to the fake to its client having read the whole answer; the $N pulls released $RELEASE_C at a time, each worker waiting for its pull's answer before the next. Added = the row's p50 (p99) minus direct's."
+  echo "- latency: from just before a pull's /encode is written to the fake to its client having read the whole answer; $(if ((TP == 1)); then echo "the $N pulls released $RELEASE_C at a time, each worker waiting for its pull's answer before the next"; else echo "the $((N / TP)) parts released $RELEASE_C at a time, each worker waiting for the answers of its part's $TP pulls before the next"; fi). Added = the row's p50 (p99) minus direct's."
   ((ROUNDS == 1)) || echo "- per round, bytes per held pull: $(for px in "${PROXIES[@]}"; do [ "$px" = direct ] || printf '%s %s; ' "$px" "$(col "$px" 5 | paste -sd,)"; done)"
   ((ROUNDS == 1)) || echo "- per round, latency p50/p99 (µs): $(for px in "${PROXIES[@]}"; do printf '%s %s; ' "$px" "$(paste -d/ <(col "$px" 11) <(col "$px" 12) | paste -sd,)"; done)"
   bench_noise_note
@@ -378,13 +383,14 @@ mkdir -p "$(dirname "$RESULTS")"
 {
   echo "# Held metadata pulls: proxy memory per pull and added latency"
   echo
-  echo "Generated by \`N=$N bash bench/held.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'); $(bench_machine)."
+  echo "Generated by \`N=$N$( ((TP == 1)) || echo " TP=$TP") ROUNDS=$ROUNDS bash bench/held.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'); $(bench_machine)."
   echo
-  echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own), go through the proxy; once the fake holds all $N, the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake, $RELEASE_C at a time (each waits for its pull's answer before the next), and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. A pull's latency is from just before its /encode is written to its client having read the whole answer; \`direct\` is the same release with the clients on the fake itself, so a proxy's added latency is its p50 (p99) minus direct's. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
+  echo "Each proxy, freshly started, fronts the same \`encgate fake-encoder\`, which holds a POST /scheduler_receive_meta_data until /encode publishes its req_id's metadata (sglang holds up to 180 s). $N client connections, one held pull each (a req_id of its own$( ((TP == 1)) || echo ", or shared by $TP: see TP below")), go through the proxy; once the fake holds all $N$( ((TP == 1)) || echo " (all $((N / TP)) through encgate: see TP)"), the proxy's RSS (VmRSS summed over its processes: nginx master + worker) is read again and (after - before) / $N is the cost of one held pull: its client connection, its upstream connection and whatever the proxy keeps for it. Then /encode is posted for every req_id straight to the fake, $RELEASE_C at a time (each waits for its pull's answer before the next), and each client must get its 200 (req_id and embedding_size): nothing may be dropped to save memory. A pull's latency is from just before its /encode is written to its client having read the whole answer; \`direct\` is the same release with the clients on the fake itself, so a proxy's added latency is its p50 (p99) minus direct's. Medians of $ROUNDS round(s), proxies interleaved, a fresh process per measurement. Proxy and fake pinned to core 0, the client to core 1, everything single-threaded (GOMAXPROCS=1, nginx worker_processes 1, HAProxy nbthread 1)."
   echo
   echo "- versions: encgate $git_v, $(go version | awk '{print $3}'), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(haproxy -v 2>&1 | awk 'NR == 1')"
+  ((TP == 1)) || echo "- TP: $TP pulls per req_id, as a part's $TP receiver TP ranks each pull its metadata ($((N / TP)) parts). encgate forwards one pull per part to the fake (affinity.metadata_cache, on by default), and the part's other pulls wait for its answer; so the fake holds $((N / TP)) pulls for encgate and $N for nginx and HAProxy, which forward each. One /encode releases a part's $TP pulls; each is timed from it."
   echo "- arrivals: the client opened $ARRIVE_C connection(s) at a time (ARRIVE_C; 32 is a burst, 1 paces them)."
-  echo "- encgate: defaults but affinity.unknown_wait ${UNKNOWN_WAIT:-5s} (the default 5s unless UNKNOWN_WAIT: an unpinned pull waits that long, on a goroutine, before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
+  echo "- encgate: defaults but affinity.unknown_wait ${UNKNOWN_WAIT:-5s} (the default 5s unless UNKNOWN_WAIT: an unpinned pull waits that long for a pin, parked, before it is forwarded), log level warn, limits.max_conns $GW_CONNS, upstream.max_conns_per_encoder $GW_LIM, limits.max_inflight_per_encoder $GW_INFL (so that N long polls fit under limits.poll_share 0.75). nginx: worker_connections $NGX_CONNS, upstream keepalive 128, proxy_http_version 1.1, proxy_read_timeout 600s. HAProxy: mode http, maxconn $((N + 512)), timeout server 600s."
   echo "- encgate (unparked): the same with limits.park_long_polls false."
   echo
   cat "$table"

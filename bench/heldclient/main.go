@@ -1,12 +1,14 @@
 // Command heldclient is bench/held.sh's client: it holds many metadata pulls
 // open through a proxy and publishes their metadata on the fake encoder.
 //
-//	heldclient hold   -addr HOST:PORT -n N -prefix P [-timeout D] [-release FAKE -rc C]
+//	heldclient hold   -addr HOST:PORT -n N -prefix P [-tp T] [-timeout D] [-release FAKE -rc C]
 //	heldclient encode -addr HOST:PORT -n N -prefix P [-c C]
 //
 // hold opens N connections to addr, one at a time with a few in flight,
 // and on each sends one POST /scheduler_receive_meta_data with body
 // {"req_id":"<P><i>","part_idx":0}; it prints "sent N" when all are out.
+// With -tp T, T pulls share each req_id (<P><i/T>), as the T receiver TP
+// ranks of one part each pull its metadata; N must be a multiple of T.
 // A reader per connection waits for its answer from then on. A line on
 // stdin (or stdin closing) says the release starts (send it before running
 // encode); from then it waits up to -timeout for the answers and prints
@@ -21,8 +23,8 @@
 // (no encode run needed): C workers (-rc, 1 by default: one pull at a time)
 // each take the next req_id in order, read the clock (t0) just before
 // writing its POST /encode to FAKE on a keep-alive connection of their own,
-// read the /encode answer, and wait for that pull's answer before taking the
-// next; the pull's reader reads the clock (t1) once it has read the answer's
+// read the /encode answer, and wait for that pull's answer (the answers of
+// its T pulls, with -tp) before taking the next; the pull's reader reads the clock (t1) once it has read the answer's
 // whole body. So at most C pulls are being answered at once and the figure is
 // the latency a pull's answer takes through the proxy, not a queue. Before
 // the ok line it prints "latency_us n X p50 P p99 Q max M" over the ok
@@ -63,7 +65,8 @@ func main() {
 	raiseNofile()
 	fs := flag.NewFlagSet(os.Args[1], flag.ExitOnError)
 	addr := fs.String("addr", "127.0.0.1:8080", "address to connect to")
-	n := fs.Int("n", 4000, "number of req_ids")
+	n := fs.Int("n", 4000, "hold: number of pulls; encode: number of req_ids")
+	tp := fs.Int("tp", 1, "hold: pulls per req_id (a part's TP ranks); n must be a multiple of it")
 	prefix := fs.String("prefix", "held-", "req_id prefix; req_ids are <prefix><i>")
 	timeout := fs.Duration("timeout", 60*time.Second, "hold: wait this long for the answers after the stdin line")
 	conc := fs.Int("c", 32, "encode: connections in parallel; hold: dials in flight")
@@ -73,7 +76,11 @@ func main() {
 	var ok bool
 	switch os.Args[1] {
 	case "hold":
-		ok = hold(*addr, *n, *prefix, *timeout, *conc, *release, *rc)
+		if *tp < 1 || *n%*tp != 0 {
+			fmt.Fprintf(os.Stderr, "heldclient: -n %d is not a multiple of -tp %d\n", *n, *tp)
+			os.Exit(2)
+		}
+		ok = hold(*addr, *n, *tp, *prefix, *timeout, *conc, *release, *rc)
 	case "encode":
 		ok = encode(*addr, *n, *prefix, *conc)
 	default:
@@ -115,7 +122,7 @@ type answer struct {
 	at    time.Time // when the whole answer had been read (zero if none)
 }
 
-func hold(addr string, n int, prefix string, timeout time.Duration, dials int, release string, rc int) bool {
+func hold(addr string, n, tp int, prefix string, timeout time.Duration, dials int, release string, rc int) bool {
 	var releasedFlag atomic.Bool
 	answers := make([]answer, n)
 	done := make([]chan struct{}, n) // closed once answers[i] is final
@@ -134,7 +141,7 @@ func hold(addr string, n int, prefix string, timeout time.Duration, dials int, r
 		go func() {
 			defer dialing.Done()
 			defer func() { <-sem }()
-			id := fmt.Sprintf("%s%d", prefix, i)
+			id := fmt.Sprintf("%s%d", prefix, i/tp)
 			c, err := net.DialTimeout("tcp", addr, 10*time.Second)
 			if err == nil {
 				_, err = c.Write(request(addr, "/scheduler_receive_meta_data", `{"req_id":"`+id+`","part_idx":0}`, false))
@@ -175,7 +182,7 @@ func hold(addr string, n int, prefix string, timeout time.Duration, dials int, r
 	}
 	var sent []time.Time
 	if release != "" {
-		sent = releaseEach(release, n, prefix, rc, deadline, done)
+		sent = releaseEach(release, n, tp, prefix, rc, deadline, done)
 	}
 	readers.Wait()
 	if sent != nil {
@@ -227,12 +234,14 @@ func read(c net.Conn, id string) answer {
 	return answer{kind: "ok", at: at}
 }
 
-// releaseEach posts /encode for <prefix>0 .. <prefix>n-1 to addr with rc
-// workers, each waiting for its pull's answer (done[i]) before its next, and
-// returns when each was sent (the zero time for one never sent). It prints
-// "encoded X failed Y".
-func releaseEach(addr string, n int, prefix string, rc int, deadline time.Time, done []chan struct{}) []time.Time {
+// releaseEach posts /encode for <prefix>0 .. <prefix>n/tp-1 to addr with rc
+// workers, each waiting for the answers of its req_id's tp pulls (done[i*tp]
+// .. done[i*tp+tp-1]) before its next, and returns, per pull, when its
+// req_id's /encode was sent (the zero time for one never sent). It prints
+// "encoded X failed Y" (req_ids).
+func releaseEach(addr string, n, tp int, prefix string, rc int, deadline time.Time, done []chan struct{}) []time.Time {
 	sent := make([]time.Time, n)
+	parts := n / tp
 	var next, good atomic.Int64
 	var mu sync.Mutex
 	whys := map[string]int{}
@@ -245,27 +254,32 @@ func releaseEach(addr string, n int, prefix string, rc int, deadline time.Time, 
 			var e encoder
 			defer e.close()
 			for {
-				i := next.Add(1) - 1
-				if i >= int64(n) {
+				i := int(next.Add(1) - 1)
+				if i >= parts {
 					return
 				}
-				if err := e.post(addr, fmt.Sprintf("%s%d", prefix, i), &sent[i]); err != "" {
+				if err := e.post(addr, fmt.Sprintf("%s%d", prefix, i), &sent[i*tp]); err != "" {
 					mu.Lock()
 					whys[err]++
 					mu.Unlock()
 				} else {
 					good.Add(1)
 				}
-				select {
-				case <-done[i]:
-				case <-expired:
-					return // the readers' deadline has passed too
+				for k := i*tp + 1; k < i*tp+tp; k++ {
+					sent[k] = sent[i*tp] // its ranks' pulls share the /encode
+				}
+				for k := i * tp; k < i*tp+tp; k++ {
+					select {
+					case <-done[k]:
+					case <-expired:
+						return // the readers' deadline has passed too
+					}
 				}
 			}
 		})
 	}
 	wg.Wait()
-	fmt.Printf("encoded %d failed %d\n", good.Load(), int64(n)-good.Load())
+	fmt.Printf("encoded %d failed %d\n", good.Load(), int64(parts)-good.Load())
 	reportWhys(whys)
 	return sent
 }

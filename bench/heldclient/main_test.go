@@ -68,7 +68,7 @@ func TestReleaseEachPostsInOrderAndTimesEach(t *testing.T) {
 		order = append(order, id)
 	})
 
-	sent := releaseEach(addr, n, "p-", 1, time.Now().Add(time.Minute), done)
+	sent := releaseEach(addr, n, 1, "p-", 1, time.Now().Add(time.Minute), done)
 
 	if want := "p-0 p-1 p-2 p-3 p-4"; strings.Join(order, " ") != want {
 		t.Errorf("order %q, want %q", strings.Join(order, " "), want)
@@ -96,7 +96,7 @@ func TestReleaseEachWaitsForThePullBeforeTheNext(t *testing.T) {
 		order = append(order, id)
 	})
 
-	sent := releaseEach(addr, n, "p-", 1, time.Now(), done)
+	sent := releaseEach(addr, n, 1, "p-", 1, time.Now(), done)
 
 	if strings.Join(order, " ") != "p-0" {
 		t.Errorf("posted %v, want only p-0 while its pull is unanswered", order)
@@ -120,7 +120,7 @@ func TestReleaseEachBoundsTheOutstandingPulls(t *testing.T) {
 		order = append(order, id)
 	})
 
-	releaseEach(addr, n, "p-", 2, time.Now(), done)
+	releaseEach(addr, n, 1, "p-", 2, time.Now(), done)
 
 	if len(order) != 2 {
 		t.Errorf("posted %v with no pull answered, want two (one per worker)", order)
@@ -139,5 +139,37 @@ func TestReportLatencyCountsOnlyReleasedOkAnswers(t *testing.T) {
 	sent := []time.Time{t0, t0, t0, t0, {}}
 	if got := latencies(answers, sent); len(got) != 2 || got[0] != 100 || got[1] != 300 {
 		t.Errorf("latencies = %v, want [100 300]", got)
+	}
+}
+
+// With tp pulls per req_id, each req_id's /encode is posted once, the next
+// only once all its pulls were answered, and each pull is timed from its
+// req_id's /encode.
+func TestReleaseEachPostsOncePerPartAndWaitsForItsRanks(t *testing.T) {
+	const n, tp = 6, 3
+	done := pulls(n)
+	var mu sync.Mutex
+	var order []string
+	addr := encodeFake(t, func(id string) {
+		mu.Lock()
+		defer mu.Unlock()
+		part := len(order)
+		order = append(order, id)
+		if part == 0 {
+			for k := 0; k < tp; k++ { // the first part's ranks are answered
+				close(done[k])
+			}
+		}
+	})
+
+	sent := releaseEach(addr, n, tp, "p-", 1, time.Now().Add(200*time.Millisecond), done)
+
+	if got := strings.Join(order, " "); got != "p-0 p-1" {
+		t.Fatalf("posted %q, want p-0 then p-1, each once", got)
+	}
+	for k := 1; k < n; k++ {
+		if want := sent[k/tp*tp]; !sent[k].Equal(want) || sent[k].IsZero() {
+			t.Fatalf("pull %d timed from %v, want its part's /encode at %v", k, sent[k], want)
+		}
 	}
 }
