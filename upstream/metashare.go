@@ -3,7 +3,6 @@ package upstream
 import (
 	"context"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/golang-lru/v2/simplelru"
@@ -37,8 +36,7 @@ type metaShare struct {
 	flights map[shareKey]*metaFlight
 	done    *simplelru.LRU[shareKey, *metaAnswer]
 	byReq   map[string][]shareKey // the done keys of each req_id, for drop
-	waiting atomic.Int64          // pulls waiting on a flight, parked or not (tests)
-	waitG   prometheus.Gauge      // encgate_metadata_pulls_waiting
+	waiting prometheus.Gauge      // encgate_metadata_pulls_waiting: on a flight, parked or not
 
 	inflight prometheus.Counter // encgate_metadata_pulls_shared_total{how="inflight"}
 	answered prometheus.Counter // encgate_metadata_pulls_shared_total{how="answered"}
@@ -81,7 +79,7 @@ func newMetaShare(size int, clk clock.Clock, m *poolMetrics) *metaShare {
 	}
 	s := &metaShare{clk: clk, flights: map[shareKey]*metaFlight{}, byReq: map[string][]shareKey{},
 		inflight: m.metaShared.WithLabelValues(SharedInflight), answered: m.metaShared.WithLabelValues(SharedAnswered),
-		waitG: m.metaWaiting}
+		waiting: m.metaWaiting}
 	// The eviction callback runs inside Add and Remove, which are only
 	// called with mu held.
 	s.done, _ = simplelru.NewLRU(size, func(k shareKey, _ *metaAnswer) { s.unindex(k) })
@@ -142,10 +140,7 @@ func (s *metaShare) onFinish(lead *metaFlight, fn func()) bool {
 
 // waitingOn counts a pull waiting on a flight, parked or not: delta +1
 // as it begins, -1 as it ends.
-func (s *metaShare) waitingOn(delta int64) {
-	s.waiting.Add(delta)
-	s.waitG.Add(float64(delta))
-}
+func (s *metaShare) waitingOn(delta float64) { s.waiting.Add(delta) }
 
 // took is lead's observation, for a pull that waited for it.
 func (s *metaShare) took(c *Call, lead *metaFlight, o *Observation) {

@@ -87,7 +87,7 @@ func TestParkedPullsShareAFlightWithNoGoroutine(t *testing.T) {
 		out[i] = pullParked(t, p, pullCall(id, 0), context.Background())
 	}
 	waitFlightWaiters(t, p, tp-1)
-	if got := gauge(t, reg, "encgate_metadata_pulls_waiting"); got != tp-1 {
+	if got := flightWaiters(p); got != tp-1 {
 		t.Errorf("encgate_metadata_pulls_waiting %v, want %d", got, tp-1)
 	}
 	if k := runGoroutines(t); k != 0 {
@@ -103,7 +103,7 @@ func TestParkedPullsShareAFlightWithNoGoroutine(t *testing.T) {
 	if n := enc.pulls.Load(); n != 1 {
 		t.Fatalf("%d pulls of one part: the encoder saw %d, want 1", tp, n)
 	}
-	if got := gauge(t, reg, "encgate_metadata_pulls_waiting"); got != 0 {
+	if got := flightWaiters(p); got != 0 {
 		t.Errorf("encgate_metadata_pulls_waiting %v after the answers, want 0", got)
 	}
 	if got := shared(t, reg, SharedInflight); got != tp-1 {
@@ -140,22 +140,7 @@ func TestParkedFlightWaiterHonoursStopAndItsTryTimeout(t *testing.T) {
 	if v := (<-lead).Verdict; v.Status != 200 || v.Shared {
 		t.Errorf("leader: %+v", v)
 	}
-	if n := p.meta.waiting.Load(); n != 0 {
+	if n := flightWaiters(p); n != 0 {
 		t.Errorf("%d flight waits left", n)
 	}
-}
-
-func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			return mf.GetMetric()[0].GetGauge().GetValue()
-		}
-	}
-	t.Fatalf("no %s", name)
-	return 0
 }

@@ -121,6 +121,9 @@ func pullAll(t *testing.T, p *Pool, enc *metaEncoder, id string, part, k int, sh
 	return calls
 }
 
+// flightWaiters is how many pulls wait on a flight (its gauge).
+func flightWaiters(p *Pool) int64 { return int64(testutil.ToFloat64(p.meta.waiting)) }
+
 // waitFlightWaiters waits until n pulls are waiting on a flight: the
 // state the test drives to. Each waiter arms its try timer on the fake
 // clock after it counts itself, so each timer made is the signal to look.
@@ -129,13 +132,13 @@ func waitFlightWaiters(t *testing.T, p *Pool, n int64) {
 	fc := p.clk.(*clock.Fake)
 	for {
 		made := fc.TimerCreated()
-		if p.meta.waiting.Load() >= n {
+		if flightWaiters(p) >= n {
 			return
 		}
 		select {
 		case <-made:
 		case <-time.After(10 * time.Second):
-			t.Fatalf("%d pulls waiting on a flight, want %d", p.meta.waiting.Load(), n)
+			t.Fatalf("%d pulls waiting on a flight, want %d", flightWaiters(p), n)
 		}
 	}
 }

@@ -221,14 +221,7 @@ func (pr *parkedRun) flightEnded(gen uint64, how int) {
 		o.Err = context.Canceled
 	}
 	r.sharedVerdict(o)
-	if end, paused := r.after(); end || paused {
-		if end {
-			pr.finished(r.end())
-		}
-		return
-	}
-	r.n++
-	if r.next() {
+	if r.goOn() {
 		pr.finished(r.end())
 	}
 }

@@ -133,7 +133,7 @@ func (r *run) after() (end, paused bool) {
 	}
 	p.m.retries.WithLabelValues(c.Route.Label, res.Verdict.Reason).Inc()
 	p.m.backoff.Observe(wait.Seconds())
-	if r.pk != nil && c.Stop != nil {
+	if r.waitsParked() {
 		r.pk.pause(wait)
 		return false, true
 	}
@@ -161,7 +161,7 @@ func (r *run) attempt() bool {
 		var o Observation
 		fl, lead, served := p.meta.join(c, t.enc.id, &o)
 		if lead != nil {
-			if r.pk != nil && c.Stop != nil {
+			if r.waitsParked() {
 				c.Resp.Reset()
 				if r.pk.awaitFlight(lead, timeout) {
 					return true
@@ -222,6 +222,11 @@ func (r *run) attempt() bool {
 	return false
 }
 
+// waitsParked says whether the run waits with no goroutine of its own
+// (a backoff, another pull's flight): it may park, and its call's Stop
+// tells it of the server's shutdown, as Done tells a waiting goroutine.
+func (r *run) waitsParked() bool { return r.pk != nil && r.c.Stop != nil }
+
 // sharedVerdict judges another pull's exchange as this attempt's own,
 // but neither told to the breaker nor counted as a request.
 func (r *run) sharedVerdict(o Observation) {
@@ -238,6 +243,13 @@ func (r *run) resume(sent *sentRequest) bool {
 	r.t.enc.release(r.t.poll)
 	r.exchanged(err)
 	r.settle()
+	return r.goOn()
+}
+
+// goOn goes on with the call from its attempt's verdict, once a parked
+// wait of that attempt has ended: true when the call ended, false when a
+// backoff or a later attempt parked in turn.
+func (r *run) goOn() bool {
 	if end, paused := r.after(); end || paused {
 		return end
 	}
