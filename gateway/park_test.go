@@ -299,6 +299,59 @@ func TestDrainAnswersParkedPullsAndClosesTheirConnections(t *testing.T) {
 	}
 }
 
+// Drain ends a parked pull's wait for its pin as it ends a waiting one's
+// (Call.Stop, as Done): the pull goes on to its part's rendezvous owner
+// at once rather than after affinity.unknown_wait (an hour here), and is
+// answered on a connection that then closes; with the pins in this
+// table and with them shared through Redis.
+func TestDrainEndsParkedPinWaits(t *testing.T) {
+	for _, shared := range []bool{false, true} {
+		t.Run(map[bool]string{false: "local", true: "redis"}[shared], func(t *testing.T) {
+			chaosLeakCheck(t)
+			encs := startFakes(t, 1, nil)
+			var addr string
+			if shared {
+				addr = redistest.Start(t).Addr()
+			}
+			g := startGateway(t, fakeURLs(encs), func(c *Config) {
+				c.Affinity.UnknownWait = configfile.Duration(time.Hour)
+				if shared {
+					c.Idempotency.Store = "redis"
+					c.Redis.Addr = addr
+					c.Health.Disabled = true
+				}
+			})
+			c, err := net.Dial("tcp", g.Addr())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			id := "drain-pin-wait_local_part_0"
+			rawPull(t, c, id, "")
+			eventually(t, "waiting for its pin, parked", func() bool {
+				return metricValue(t, g, "encgate_pin_waiters") == 1 && g.Pool().Poller().Armed() == 1
+			})
+			stopped := make(chan error, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				stopped <- g.Shutdown(ctx)
+			}()
+			eventually(t, "the pull at its owner once the drain began", func() bool {
+				return encs[0].Stats().Waiting[fakeencoder.RouteMetadata] == 1
+			})
+			encodeAt(t, encs[0], id)
+			ans := readAnswer(t, bufio.NewReader(c))
+			if ans.status != http.StatusOK || ans.header.Get("Connection") != "close" || !strings.Contains(ans.body, id) {
+				t.Fatalf("answer while draining: %d %v %s", ans.status, ans.header, ans.body)
+			}
+			if err := <-stopped; err != nil {
+				t.Fatalf("Shutdown: %v", err)
+			}
+		})
+	}
+}
+
 // A pull that comes before its part's /encode waits for the pin
 // (affinity.unknown_wait) parked too, and the /encode's pin ends the wait.
 func TestPullsWaitingForTheirPinPark(t *testing.T) {

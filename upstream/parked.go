@@ -39,7 +39,7 @@ func (p *Pool) ExchangeParked(c *Call, finished func(Result)) (Result, bool) {
 	// when nothing but this table can end the wait.
 	if pn, ok := r.st.(*pinned); ok && c.Route.Kind == sglang.KindFollowUp && !pn.have {
 		pn.waited = true // before the wait is registered: it may end at once
-		if !p.pins.WaitFunc(c.ReqID, p.aff.UnknownWait.D(), pr.pinWaited) {
+		if !p.pins.WaitFunc(c.ReqID, p.aff.UnknownWait.D(), c.Stop, pr.pinWaited) {
 			return Result{}, false
 		}
 		pn.waited = false

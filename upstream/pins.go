@@ -579,15 +579,16 @@ func (t *PinTable) LocalAt(reqID string, at time.Time) (Pin, bool) {
 // (ExchangeParked). It reports true, and registers nothing, when Wait
 // would not wait (reqID has a live pin here, or d <= 0); the caller then
 // goes on (calling Wait). Otherwise fn runs once, on a goroutine of its
-// own, when reqID is pinned or failed here or d has passed on the
-// injected clock; fn then reads the pin (Wait with d 0).
+// own, when reqID is pinned or failed here, d has passed on the injected
+// clock, or stop (when not nil) ends, as Wait's done does; fn then reads
+// the pin (Wait with d 0).
 //
 // With a share, it waits as Wait does, with no goroutine of its own: the
 // share is read once the waiter is registered (on the caller's goroutine,
 // one read shared by the waiters that arrive together, see readFor), a
 // placement message wakes it, and a timer of the share's Poll reads the
 // share again while it waits, on the timer's goroutine.
-func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool) {
+func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context, fn func()) (now bool) {
 	if _, ok := t.Local(reqID); ok || d <= 0 {
 		return true
 	}
@@ -609,8 +610,7 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool)
 			fn()
 		}
 	})
-	fw.mu.Lock() // the deadline's function may run before AfterFunc returns
-	fw.timer = t.clk.AfterFunc(d, func() {
+	gaveUp := func() { // the deadline passed, or stop ended
 		if !fw.fire() {
 			return
 		}
@@ -620,7 +620,12 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, fn func()) (now bool)
 		}
 		s.mu.Unlock()
 		fn()
-	})
+	}
+	fw.mu.Lock() // gaveUp may run before AfterFunc returns
+	fw.timer = t.clk.AfterFunc(d, gaveUp)
+	if stop != nil {
+		fw.stop = context.AfterFunc(stop, gaveUp)
+	}
 	fw.mu.Unlock()
 	// As in Wait: decided in the lock that registers this waiter.
 	read := t.share != nil && !w.reading
@@ -643,6 +648,7 @@ type funcWait struct {
 	fired bool
 	timer clock.Timer // the deadline's
 	poll  clock.Timer // the share's next read, while it waits
+	stop  func() bool // its registration on the caller's stop, if any
 }
 
 // fire reports whether this is the registration's first end, and stops
@@ -659,6 +665,9 @@ func (fw *funcWait) fire() bool {
 	}
 	if fw.poll != nil {
 		fw.poll.Stop()
+	}
+	if fw.stop != nil {
+		fw.stop()
 	}
 	return true
 }

@@ -14,17 +14,17 @@ func TestPinWaitFuncRunsOnceOnThePinOrTheDeadline(t *testing.T) {
 	clk := clock.NewFake(time.Unix(1000, 0))
 	tab := NewPinTable(time.Hour, 100, clk)
 
-	if !tab.WaitFunc("a", 0, func() { t.Error("ran") }) {
+	if !tab.WaitFunc("a", 0, nil, func() { t.Error("ran") }) {
 		t.Fatal("a wait of 0 registered")
 	}
 	tab.Place("pinned", "enc-0", 1)
-	if !tab.WaitFunc("pinned", time.Second, func() { t.Error("ran") }) {
+	if !tab.WaitFunc("pinned", time.Second, nil, func() { t.Error("ran") }) {
 		t.Fatal("a req_id already pinned registered a wait")
 	}
 
 	// The pin comes first.
 	ran := make(chan string, 4)
-	if tab.WaitFunc("b", time.Second, func() { ran <- "b" }) {
+	if tab.WaitFunc("b", time.Second, nil, func() { ran <- "b" }) {
 		t.Fatal("no wait registered for an unpinned req_id")
 	}
 	if n := tab.Waiting(); n != 1 {
@@ -40,7 +40,7 @@ func TestPinWaitFuncRunsOnceOnThePinOrTheDeadline(t *testing.T) {
 	}
 
 	// The deadline comes first; the pin after it wakes nothing.
-	if tab.WaitFunc("c", time.Second, func() { ran <- "c" }) {
+	if tab.WaitFunc("c", time.Second, nil, func() { ran <- "c" }) {
 		t.Fatal("no wait registered")
 	}
 	clk.Advance(time.Second)
@@ -53,7 +53,7 @@ func TestPinWaitFuncRunsOnceOnThePinOrTheDeadline(t *testing.T) {
 	tab.Place("c", "enc-0", 1)
 	// A function still on its way would show here: b's and c's ran once.
 	tab.Place("d", "enc-0", 1)
-	if !tab.WaitFunc("d", time.Second, func() {}) {
+	if !tab.WaitFunc("d", time.Second, nil, func() {}) {
 		t.Fatal("registered for a pinned req_id")
 	}
 	select {
@@ -85,10 +85,10 @@ func TestPinWaitFuncWithASharedTable(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	placed := <-g.placed
 	ran := make(chan string, 4)
-	registered := func(id string, d time.Duration, found bool) {
+	registered := func(id string, d time.Duration, stop context.Context, found bool) {
 		t.Helper()
 		ret := make(chan bool, 1)
-		go func() { ret <- tab.WaitFunc(id, d, func() { ran <- id }) }()
+		go func() { ret <- tab.WaitFunc(id, d, stop, func() { ran <- id }) }()
 		select {
 		case <-g.gets: // the read at registration, on WaitFunc's caller
 		case now := <-ret:
@@ -110,14 +110,14 @@ func TestPinWaitFuncWithASharedTable(t *testing.T) {
 	}
 
 	// The read at registration finds the pin.
-	registered("a", 10*time.Second, true)
+	registered("a", 10*time.Second, nil, true)
 	if got := <-ran; got != "a" {
 		t.Fatal(got)
 	}
 	timersLeft("a")
 
 	// A placement message: its read finds the pin.
-	registered("b", 10*time.Second, false)
+	registered("b", 10*time.Second, nil, false)
 	if n := tab.Waiting(); n != 1 {
 		t.Fatalf("b: waiting %d, want 1", n)
 	}
@@ -130,7 +130,7 @@ func TestPinWaitFuncWithASharedTable(t *testing.T) {
 	timersLeft("b")
 
 	// No message (lost to a reconnect): the poll finds it.
-	registered("c", 10*time.Second, false)
+	registered("c", 10*time.Second, nil, false)
 	clk.Advance(time.Second)
 	<-g.gets
 	g.gate <- true
@@ -141,7 +141,7 @@ func TestPinWaitFuncWithASharedTable(t *testing.T) {
 
 	// Nothing comes: a poll finds nothing and the next is armed; the
 	// deadline ends the wait, and the poll armed then is stopped.
-	registered("d", 1500*time.Millisecond, false)
+	registered("d", 1500*time.Millisecond, nil, false)
 	clk.Advance(time.Second)
 	<-g.gets
 	g.gate <- false
@@ -157,9 +157,46 @@ func TestPinWaitFuncWithASharedTable(t *testing.T) {
 		t.Fatal(got)
 	}
 	timersLeft("d")
+
+	// The caller stops (the server's shutdown): the wait ends at once,
+	// its deadline and poll stopped, as Wait's done ends it.
+	ctx, stop := context.WithCancel(context.Background())
+	registered("e", time.Hour, ctx, false)
+	stop()
+	if got := <-ran; got != "e" {
+		t.Fatal(got)
+	}
+	timersLeft("e")
 	select {
 	case got := <-ran:
 		t.Fatalf("%s ran twice", got)
+	default:
+	}
+}
+
+// A wait without a share ends on its caller's stop too, once, and leaves
+// no waiter or timer; the pin coming after it wakes nothing.
+func TestPinWaitFuncEndsOnStop(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1000, 0))
+	tab := NewPinTable(time.Hour, 100, clk)
+	ctx, stop := context.WithCancel(context.Background())
+	ran := make(chan struct{}, 2)
+	if tab.WaitFunc("s", time.Hour, ctx, func() { ran <- struct{}{} }) {
+		t.Fatal("no wait registered")
+	}
+	stop()
+	<-ran
+	if n := tab.Waiting(); n != 0 {
+		t.Fatalf("waiting %d after the stop, want 0", n)
+	}
+	if n := clk.Pending(); n != 0 {
+		t.Fatalf("%d timers left after the stop", n)
+	}
+	tab.Place("s", "enc-0", 1)
+	tab.Place("t", "enc-0", 1) // a function still on its way would show by now
+	select {
+	case <-ran:
+		t.Fatal("ran twice")
 	default:
 	}
 }
