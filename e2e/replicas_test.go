@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -19,8 +20,9 @@ import (
 
 // replica is an `encgate gateway` process.
 type replica struct {
-	cmd  *exec.Cmd
-	base string
+	cmd   *exec.Cmd
+	base  string
+	admin string // http://admin_listen
 }
 
 // startReplica runs a gateway process and waits for its listening line.
@@ -47,10 +49,11 @@ func startReplica(t *testing.T, config string) *replica {
 		var line struct {
 			Msg    string `json:"msg"`
 			Listen string `json:"listen"`
+			Admin  string `json:"admin_listen"`
 		}
 		if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "gateway listening" {
 			go func() { _, _ = io.Copy(io.Discard, stderr) }()
-			return &replica{cmd: cmd, base: "http://" + line.Listen}
+			return &replica{cmd: cmd, base: "http://" + line.Listen, admin: "http://" + line.Admin}
 		}
 	}
 	t.Fatalf("gateway process exited before listening: %v", sc.Err())
@@ -185,5 +188,81 @@ func TestTwoReplicasShareOneRedis(t *testing.T) {
 	}
 	if got := enc.Stats().Sends[id2+"|10.0.0.1:40000"]; got != 1 {
 		t.Fatalf("after restart the encoder received %d /sends", got)
+	}
+}
+
+// metric reads an unlabelled sample of r's /metrics (-1 when absent).
+func (r *replica) metric(t *testing.T, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(r.admin + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			return f
+		}
+	}
+	return -1
+}
+
+// Pulls that reach one gateway process before their part's /encode,
+// which goes to another process on the same Redis, wait for the pin
+// parked; a Redis restart while they wait loses none of them (a placement
+// published before this replica subscribed again is found by its poll),
+// and each is answered by the encoder with its part, well before
+// affinity.unknown_wait (an hour here: the client's guard would fire).
+func TestParkedPinWaitsFollowAnotherProcessAcrossARedisRestart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts redis-server and two gateway processes")
+	}
+	rd := redistest.Start(t)
+	enc := fakeencoder.New(fakeencoder.Options{Name: "enc-a", Mode: fakeencoder.ModeMooncake})
+	if err := enc.Start("127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	defer enc.Close()
+	cfg := strings.Replace(replicaConfig(enc.URL(), rd.Addr()), "unknown_wait: 0s", "unknown_wait: 1h", 1)
+	placing, waiting := startReplica(t, cfg), startReplica(t, cfg)
+	client := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+
+	const n = 8
+	replies := make([]chan reply, n)
+	for i := range replies {
+		replies[i] = make(chan reply, 1)
+		go func() {
+			replies[i] <- postTo(client, waiting.base+"/scheduler_receive_meta_data",
+				fmt.Sprintf(`{"req_id":"restart-wait-%d_local_part_0","part_idx":0}`, i))
+		}()
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for waiting.metric(t, "encgate_pin_waiters") != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("encgate_pin_waiters %v, want %d", waiting.metric(t, "encgate_pin_waiters"), n)
+		}
+		time.Sleep(20 * time.Millisecond) // another process: its metrics are the only signal
+	}
+	rd.Kill()
+	rd.Restart()
+	for i := range n {
+		body := fmt.Sprintf(`{"req_id":"restart-wait-%d_local_part_0","mm_items":["x"],"modality":"IMAGE","num_parts":1,"part_idx":0,"prefill_host":"10.0.0.1","embedding_port":null}`, i)
+		if r := postTo(client, placing.base+"/encode", body); r.status != 200 {
+			t.Fatalf("/encode %d on the other process: %+v", i, r)
+		}
+	}
+	for i, ch := range replies {
+		r := <-ch
+		if r.err != nil || r.status != 200 || !strings.Contains(r.body, fmt.Sprintf("restart-wait-%d_local_part_0", i)) {
+			t.Fatalf("pull %d: %+v", i, r)
+		}
+	}
+	if got := waiting.metric(t, "encgate_pin_waiters"); got != 0 {
+		t.Fatalf("encgate_pin_waiters %v after the answers", got)
 	}
 }
