@@ -62,3 +62,43 @@ func TestPinnedFollowUpReadsTheClockOnce(t *testing.T) {
 		}
 	}
 }
+
+// The pin read at the call's start is that time's: a follow-up that comes
+// after a quiet spell longer than affinity.pin_ttl does not follow the
+// expired pin, parked or not, and goes to its part's rendezvous owner.
+func TestFollowUpDoesNotFollowAnExpiredPin(t *testing.T) {
+	for _, park := range []bool{false, true} {
+		a, b := liveEncoder(t, "enc-a"), liveEncoder(t, "enc-b")
+		clk := clock.NewFake(time.Unix(1e9, 0))
+		aff := DefaultAffinity()
+		aff.UnknownWait = 0
+		p, err := NewPool(testSettings("enc-a", a.URL, "enc-b", b.URL), aff, Deps{Log: zap.NewNop(),
+			Registry: prometheus.NewRegistry(), Clock: clk, Rand: func() float64 { return 0 }, Park: park})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Close)
+		id := ownedBy(t, p, "enc-a", "quiet")
+		eb, _ := p.Lookup("enc-b")
+		p.pins.Set(id, "enc-b", eb.ID()) // pinned away from its owner
+		follow := func() string {
+			c := newCall(sglang.RouteReceiveURL, id)
+			c.Start = clk.Now()
+			if park {
+				res, ended := p.ExchangeParked(c, func(Result) { t.Error("parked") })
+				if !ended {
+					t.Fatal("parked")
+				}
+				return res.Verdict.Encoder
+			}
+			return p.Exchange(c).Verdict.Encoder
+		}
+		if got := follow(); got != "enc-b" {
+			t.Fatalf("park %v: a follow-up within the pin's life went to %q, want its pin enc-b", park, got)
+		}
+		clk.Advance(aff.PinTTL.D() + time.Second)
+		if got := follow(); got != "enc-a" {
+			t.Fatalf("park %v: a follow-up after the pin expired went to %q, want its owner enc-a", park, got)
+		}
+	}
+}

@@ -144,3 +144,38 @@ func TestParkedFlightWaiterHonoursStopAndItsTryTimeout(t *testing.T) {
 		t.Errorf("%d flight waits left", n)
 	}
 }
+
+// The encoder drops the leader's pull (a crash or a reset mid-hold): the
+// pulls parked on its flight each get that failure as a shared verdict,
+// as waiting ones would, and nothing is left waiting.
+func TestParkedFlightWaitersShareTheLeadersFault(t *testing.T) {
+	enc := newMetaEncoder(t, "enc-0", true)
+	p, _ := metaPoolParked(t, "enc-0", enc.srv.URL)
+	e0, _ := p.Lookup("enc-0")
+	id := "req-r_local_part_0"
+	p.pins.Set(id, "enc-0", e0.ID())
+	const tp = 4
+	var out [tp]<-chan Result
+	out[0] = pullParked(t, p, pullCall(id, 0), context.Background())
+	<-enc.arrived
+	for i := 1; i < tp; i++ {
+		out[i] = pullParked(t, p, pullCall(id, 0), context.Background())
+	}
+	waitFlightWaiters(t, p, tp-1)
+	enc.srv.CloseClientConnections()
+	lead := (<-out[0]).Verdict
+	if lead.Kind == KindAnswered || lead.Shared {
+		t.Fatalf("leader after its connection dropped: %+v", lead)
+	}
+	for i := 1; i < tp; i++ {
+		if v := (<-out[i]).Verdict; v.Kind != lead.Kind || !v.Shared {
+			t.Errorf("waiter %d: %v shared %v, want the leader's %v, shared", i, v.Kind, v.Shared, lead.Kind)
+		}
+	}
+	if n := flightWaiters(p); n != 0 {
+		t.Errorf("%d flight waits left", n)
+	}
+	if n := enc.pulls.Load(); n != 1 {
+		t.Errorf("the encoder saw %d pulls, want 1", n)
+	}
+}
