@@ -73,20 +73,27 @@ func runGoroutines(t *testing.T) int {
 	return n
 }
 
+// pullsOnAFlight pins id's part to enc-0 and runs k parked pulls of it:
+// the first held by enc, the others parked on its flight once it returns.
+func pullsOnAFlight(t *testing.T, p *Pool, enc *metaEncoder, id string, k int) []<-chan Result {
+	t.Helper()
+	e0, _ := p.Lookup("enc-0")
+	p.pins.Set(id, "enc-0", e0.ID())
+	out := make([]<-chan Result, k)
+	out[0] = pullParked(t, p, pullCall(id, 0), context.Background())
+	<-enc.arrived
+	for i := 1; i < k; i++ {
+		out[i] = pullParked(t, p, pullCall(id, 0), context.Background())
+	}
+	waitFlightWaiters(t, p, int64(k-1))
+	return out
+}
+
 func TestParkedPullsShareAFlightWithNoGoroutine(t *testing.T) {
 	enc := newMetaEncoder(t, "enc-0", true)
 	p, reg := metaPoolParked(t, "enc-0", enc.srv.URL)
-	e0, _ := p.Lookup("enc-0")
-	id := "req-p_local_part_0"
-	p.pins.Set(id, "enc-0", e0.ID())
 	const tp = 8
-	var out [tp]<-chan Result
-	out[0] = pullParked(t, p, pullCall(id, 0), context.Background())
-	<-enc.arrived
-	for i := 1; i < tp; i++ {
-		out[i] = pullParked(t, p, pullCall(id, 0), context.Background())
-	}
-	waitFlightWaiters(t, p, tp-1)
+	out := pullsOnAFlight(t, p, enc, "req-p_local_part_0", tp)
 	if got := flightWaiters(p); got != tp-1 {
 		t.Errorf("encgate_metadata_pulls_waiting %v, want %d", got, tp-1)
 	}
@@ -151,17 +158,8 @@ func TestParkedFlightWaiterHonoursStopAndItsTryTimeout(t *testing.T) {
 func TestParkedFlightWaitersShareTheLeadersFault(t *testing.T) {
 	enc := newMetaEncoder(t, "enc-0", true)
 	p, _ := metaPoolParked(t, "enc-0", enc.srv.URL)
-	e0, _ := p.Lookup("enc-0")
-	id := "req-r_local_part_0"
-	p.pins.Set(id, "enc-0", e0.ID())
 	const tp = 4
-	var out [tp]<-chan Result
-	out[0] = pullParked(t, p, pullCall(id, 0), context.Background())
-	<-enc.arrived
-	for i := 1; i < tp; i++ {
-		out[i] = pullParked(t, p, pullCall(id, 0), context.Background())
-	}
-	waitFlightWaiters(t, p, tp-1)
+	out := pullsOnAFlight(t, p, enc, "req-r_local_part_0", tp)
 	enc.srv.CloseClientConnections()
 	lead := (<-out[0]).Verdict
 	if lead.Kind == KindAnswered || lead.Shared {
