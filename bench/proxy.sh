@@ -60,6 +60,15 @@
 #                false, so the follow-ups (long polls) are exchanged on
 #                the handler's goroutine instead of parking; it shows
 #                what parking costs per request beside the default   [0]
+#   FLOOR        1 adds three targets that are not proxies but measuring
+#                sticks: bench/floor, a bare epoll loop in Go that copies
+#                each message to the fake and back with no HTTP server or
+#                gateway logic, once per way a Go loop can wait for the
+#                kernel (floor-raw: a raw epoll_pwait the scheduler never
+#                sees; floor-netpoll: the runtime's poller, as encgate's
+#                parked exchanges wait; floor-blocking: an ordinary
+#                system call). They show the least a Go program spends per
+#                request here, beside nginx's                       [0]
 #   GW_LOG_LEVEL encgate's log.level; info is the gateway's default, so
 #                the default run measures the default config (health
 #                checks on, as by default)                        [info]
@@ -88,6 +97,7 @@ PORT_BASE=${PORT_BASE:-19100}
 KEEP_TMP=${KEEP_TMP:-0}
 GW_LOG_LEVEL=${GW_LOG_LEVEL:-info}
 UNPARKED=${UNPARKED:-0}
+FLOOR=${FLOOR:-0}
 QUIET_WAIT=${QUIET_WAIT:-15}
 REDO=${REDO:-2}
 
@@ -202,6 +212,8 @@ P_FAKE=$PORT_BASE P_GW=$((PORT_BASE + 1)) P_ADMIN=$((PORT_BASE + 2)) P_NGINX=$((
 P_GW2=$((PORT_BASE + 5)) P_ADMIN2=$((PORT_BASE + 6))
 PORTS=("$P_FAKE" "$P_GW" "$P_ADMIN" "$P_NGINX" "$P_HAP")
 [ "$UNPARKED" = 1 ] && PORTS+=("$P_GW2" "$P_ADMIN2")
+P_FLOOR_RAW=$((PORT_BASE + 7)) P_FLOOR_NETPOLL=$((PORT_BASE + 8)) P_FLOOR_BLOCKING=$((PORT_BASE + 9))
+[ "$FLOOR" = 1 ] && PORTS+=("$P_FLOOR_RAW" "$P_FLOOR_NETPOLL" "$P_FLOOR_BLOCKING")
 listening() { bench_listening "$1"; }
 for p in "${PORTS[@]}"; do
   listening "$p" && die "port $p on 127.0.0.1 is in use; set PORT_BASE to a free range"
@@ -231,6 +243,9 @@ wait_port() { # port what
 log "building encgate"
 (cd "$ROOT" && go build -o "$TMP/encgate" .) || die "go build failed"
 GW_BIN=$TMP/encgate
+if [ "$FLOOR" = 1 ]; then
+  (cd "$ROOT" && go build -o "$TMP/floor" ./bench/floor) || die "go build ./bench/floor failed"
+fi
 
 # ---------------------------------------------------------------- configs
 cat >"$TMP/gateway.yaml" <<EOF
@@ -334,6 +349,17 @@ if [ "$UNPARKED" = 1 ]; then
   PIDS+=("$GW2_PID")
   wait_port "$P_GW2" "encgate (sync)"
 fi
+declare -A FLOOR_PID=()
+if [ "$FLOOR" = 1 ]; then
+  for m in raw netpoll blocking; do
+    port_var=P_FLOOR_${m^^}
+    GOMAXPROCS=$WORKERS taskset -c "$SERVER_CPUS" "$TMP/floor" -listen "127.0.0.1:${!port_var}" -upstream "127.0.0.1:$P_FAKE" \
+      -wait "$m" >"$TMP/floor-$m.log" 2>&1 &
+    FLOOR_PID[$m]=$!
+    PIDS+=("$!")
+    wait_port "${!port_var}" "floor ($m)"
+  done
+fi
 
 # ---------------------------------------------------------------- proxy CPU
 # The pids are those of the programs themselves (taskset and the GOMAXPROCS=
@@ -351,6 +377,9 @@ if [ -n "$GW2_PID" ]; then
   [ "$(comm_of "$GW2_PID")" = encgate ] || die "pid $GW2_PID is '$(comm_of "$GW2_PID")', not encgate"
   [ -z "$(pgrep -P "$GW2_PID")" ] || die "encgate (sync) has child processes; want one process"
 fi
+for m in "${!FLOOR_PID[@]}"; do
+  [ "$(comm_of "${FLOOR_PID[$m]}")" = floor ] || die "pid ${FLOOR_PID[$m]} is '$(comm_of "${FLOOR_PID[$m]}")', not floor"
+done
 # proxy_pids target -> the pids whose CPU is the proxy's (nothing for direct)
 proxy_pids() {
   case $1 in
@@ -358,6 +387,7 @@ proxy_pids() {
   encgate-sync) echo "$GW2_PID" ;;
   nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | paste -sd' ')" ;;
   haproxy) echo "$HAP_PID" ;;
+  floor-*) echo "${FLOOR_PID[${1#floor-}]}" ;;
   direct) echo ;;
   esac
 }
@@ -371,6 +401,16 @@ ticks() {
     sum=$((sum + v))
   done
   echo "$sum $*"
+}
+# uticks PID... -> utime (field 14) summed: the user-space share of ticks
+uticks() {
+  local p sum=0 v
+  for p in "$@"; do
+    v=$(awk '{ sub(/^.*\) /, ""); split($0, f, " "); print f[12] }' "/proc/$p/stat" 2>/dev/null) || true
+    [[ $v =~ ^[0-9]+$ ]] || die "cannot read /proc/$p/stat ($(comm_of "$p")): the process is gone"
+    sum=$((sum + v))
+  done
+  echo "$sum"
 }
 # us_per_req ticks_before ticks_after requests -> CPU µs per request
 us_per_req() {
@@ -404,6 +444,8 @@ if [ "$UNPARKED" = 1 ]; then
   [ "${r%%$'\t'*}" = 200 ] || die "POST /encode through encgate (sync): $r"
   TARGETS=(direct encgate encgate-sync nginx haproxy)
 fi
+PORT_OF[floor-raw]=$P_FLOOR_RAW PORT_OF[floor-netpoll]=$P_FLOOR_NETPOLL PORT_OF[floor-blocking]=$P_FLOOR_BLOCKING
+[ "$FLOOR" = 1 ] && TARGETS+=(floor-raw floor-netpoll floor-blocking)
 for t in "${TARGETS[@]}"; do
   for pb in "/scheduler_receive_url|$URL_BODY" "/scheduler_receive_meta_data|$META_BODY"; do
     r=$(post "${PORT_OF[$t]}" "${pb%%|*}" "${pb#*|}")
@@ -508,7 +550,7 @@ RSS_FILE=$TMP/rss.txt
 : >"$RSS_FILE"
 RSS_START=$(rss_now)
 
-RAW=$TMP/raw.tsv # workload round target rps p50_us p99_us requests server_busy% loadgen_busy% foreign% proxy_cpu_us/req(NA: direct) fake_cpu_us/req proxy_ticks
+RAW=$TMP/raw.tsv # workload round target rps p50_us p99_us requests server_busy% loadgen_busy% foreign% proxy_cpu_us/req(NA: direct) fake_cpu_us/req proxy_ticks proxy_user_us/req(NA: direct)
 REDONE=0
 CONTAMINATED=()
 : >"$RAW"
@@ -529,10 +571,10 @@ for w in url meta; do
         s_srv=$(cpu_snap "$SERVER_CPUS"); s_lg=$(cpu_snap "$LOADGEN_CPUS"); s_all=$(all_snap); proc_snap "$TMP/p0"
         pp=$(proxy_pids "$t")
         # shellcheck disable=SC2086 # word splitting intended: a list of pids
-        k_px0=$(ticks $pp); k_fk0=$(ticks "$FAKE_PID")
+        k_px0=$(ticks $pp); k_fk0=$(ticks "$FAKE_PID"); u_px0=$(uticks $pp)
         line=$(run_wrk "$w" "$t" "$DURATION" "r$round")
         # shellcheck disable=SC2086
-        k_px1=$(ticks $pp); k_fk1=$(ticks "$FAKE_PID")
+        k_px1=$(ticks $pp); k_fk1=$(ticks "$FAKE_PID"); u_px1=$(uticks $pp)
         k_px0=${k_px0%% *} k_px1=${k_px1%% *} k_fk0=${k_fk0%% *} k_fk1=${k_fk1%% *}
         [ "$(proxy_pids "$t")" = "$pp" ] || die "$t's processes changed during the run: '$pp' then '$(proxy_pids "$t")'"
         b_srv=$(busy_pct "$s_srv" "$(cpu_snap "$SERVER_CPUS")"); b_lg=$(busy_pct "$s_lg" "$(cpu_snap "$LOADGEN_CPUS")")
@@ -553,9 +595,9 @@ for w in url meta; do
       fi
       n=$(field requests "$line"); us=$(field duration_us "$line")
       rps=$(awk -v n="$n" -v us="$us" 'BEGIN{printf "%.0f", n / (us / 1e6)}')
-      if [ -n "$pp" ]; then cpu=$(us_per_req "$k_px0" "$k_px1" "$n"); else cpu=NA; fi
+      if [ -n "$pp" ]; then cpu=$(us_per_req "$k_px0" "$k_px1" "$n") ucpu=$(us_per_req "$u_px0" "$u_px1" "$n"); else cpu=NA ucpu=NA; fi
       fcpu=$(us_per_req "$k_fk0" "$k_fk1" "$n")
-      printf '%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$round" "$t" "$rps" "$(field p50_us "$line")" "$(field p99_us "$line")" "$n" "$b_srv" "$b_lg" "$foreign" "$cpu" "$fcpu" "$((k_px1 - k_px0))" >>"$RAW"
+      printf '%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$round" "$t" "$rps" "$(field p50_us "$line")" "$(field p99_us "$line")" "$n" "$b_srv" "$b_lg" "$foreign" "$cpu" "$fcpu" "$((k_px1 - k_px0))" "$ucpu" >>"$RAW"
       log "[$i/$total_runs] $w round $round $t: $rps req/s, p50 $(field p50_us "$line") us, p99 $(field p99_us "$line") us; proxy CPU ${cpu/NA/-} us/req ($((k_px1 - k_px0)) ticks), fake $fcpu us/req; busy: server cores $b_srv%, wrk cores $b_lg%, outside the benchmark $foreign% of a core"
     done
   done
@@ -578,23 +620,23 @@ round_ratios() {
       m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.2f (%.2f-%.2f)", m, a[1], a[NR] }'
 }
 pretty_title() { [ "$1" = url ] && echo "/scheduler_receive_url" || echo "/scheduler_receive_meta_data"; }
-name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; encgate-sync) echo "encgate-sync (park_long_polls off)";; nginx) echo "nginx";; haproxy) echo "HAProxy";; esac; }
+name_of() { case $1 in direct) echo "direct (no proxy)";; encgate) echo "encgate";; encgate-sync) echo "encgate-sync (park_long_polls off)";; nginx) echo "nginx";; haproxy) echo "HAProxy";; floor-*) echo "floor, -wait ${1#floor-} (not a proxy)";; esac; }
 
 report=$TMP/report.md
 {
   for w in url meta; do
-    declare -A RPS=() P50=() P99=() CPU=()
+    declare -A RPS=() P50=() P99=() CPU=() UCPU=()
     for t in "${TARGETS[@]}"; do
       RPS[$t]=$(col "$w" "$t" 4 | median); P50[$t]=$(col "$w" "$t" 5 | median); P99[$t]=$(col "$w" "$t" 6 | median)
-      if [ "$t" = direct ]; then CPU[$t]=—; else CPU[$t]=$(col "$w" "$t" 11 | median | f2); fi
+      if [ "$t" = direct ]; then CPU[$t]=— UCPU[$t]=—; else CPU[$t]=$(col "$w" "$t" 11 | median | f2) UCPU[$t]=$(col "$w" "$t" 14 | median | f2); fi
     done
     echo "### POST $(pretty_title "$w")"
     echo
-    echo "| target | req/s (median) | p99 ms (median) | proxy CPU µs/req (median) | p50 ms (median) | req/s per round | proxy CPU µs/req per round | fake CPU µs/req (median) | busy % server / wrk cores (median) | CPU outside the benchmark, % of a core (max) |"
-    echo "|---|---:|---:|---:|---:|---|---|---:|---|---:|"
+    echo "| target | req/s (median) | p99 ms (median) | proxy CPU µs/req (median) | of it user µs/req (median) | p50 ms (median) | req/s per round | proxy CPU µs/req per round | fake CPU µs/req (median) | busy % server / wrk cores (median) | CPU outside the benchmark, % of a core (max) |"
+    echo "|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|"
     for t in "${TARGETS[@]}"; do
       if [ "$t" = direct ]; then cpu_rounds=—; else cpu_rounds=$(col "$w" "$t" 11 | paste -sd' ' | sed 's/ /, /g'); fi
-      printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s |\n' "$(name_of "$t")" "${RPS[$t]}" "$(ms "${P99[$t]}")" "${CPU[$t]}" "$(ms "${P50[$t]}")" \
+      printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s |\n' "$(name_of "$t")" "${RPS[$t]}" "$(ms "${P99[$t]}")" "${CPU[$t]}" "${UCPU[$t]}" "$(ms "${P50[$t]}")" \
         "$(col "$w" "$t" 4 | paste -sd' ' | sed 's/ /, /g')" "$cpu_rounds" "$(col "$w" "$t" 12 | median | f2)" \
         "$(col "$w" "$t" 8 | median)" "$(col "$w" "$t" 9 | median)" "$(col "$w" "$t" 10 | sort -g | tail -1)"
     done
@@ -621,6 +663,13 @@ report=$TMP/report.md
       echo "| encgate-sync / HAProxy, req/s | $s_rhp | $(round_ratios "$w" haproxy 4 encgate-sync) | (≥ 1.0) | $(mark "$s_rhp" ">=" 1.0) |"
       echo "| encgate / encgate-sync, proxy CPU per request (what parking costs) | $s_own | $(round_ratios "$w" encgate-sync 11) | | |"
     fi
+    if [ "$FLOOR" = 1 ]; then
+      for m in raw netpoll blocking; do
+        f_ng=$(ratio "${CPU[floor-$m]}" "${CPU[nginx]}")
+        echo "| floor -wait $m / nginx, proxy CPU per request (no HTTP server, no gateway) | $f_ng | $(round_ratios "$w" nginx 11 "floor-$m") | (reference) | |"
+      done
+      echo "| encgate / floor -wait netpoll, proxy CPU per request | $(ratio "${CPU[encgate]}" "${CPU[floor-netpoll]}") | $(round_ratios "$w" floor-netpoll 11) | (reference) | |"
+    fi
     echo
     echo "Per-round ratios compare runs seconds apart, so they hold up better than the ratio of medians when the whole machine speeds up or slows down between rounds; met/missed is judged on the ratio of the medians."
     echo
@@ -632,7 +681,7 @@ report=$TMP/report.md
       echo "**Sanity warning:** a proxied target beat direct on this workload; something else on the machine probably took CPU during some runs; compare the per-round figures."
       echo
     fi
-    unset RPS P50 P99 CPU
+    unset RPS P50 P99 CPU UCPU
   done
 } >"$report"
 
@@ -686,7 +735,7 @@ mkdir -p "$(dirname "$RESULTS")"
   echo
   echo "Layout: **$LAYOUT** (LAYOUT=split puts the proxy alone on the server core(s) and the fake beside wrk; LAYOUT=shared puts the fake and the proxy on the server core(s) and wrk alone; see the pinning line above)."
   echo
-  echo "Proxy CPU µs/req: the proxy's own utime+stime (fields 14 and 15 of /proc/PID/stat, all threads; clock ticks of 1/$CLK_TCK s) read just before and just after each measured wrk run, times 10^6 / CLK_TCK / requests completed in that run. Processes counted: encgate's pid$([ "$UNPARKED" = 1 ] && echo " (encgate-sync's own pid for it)"); nginx's master and its worker(s) (pgrep -P); HAProxy's pid (one process, nbthread $WORKERS). Direct has no proxy (—). Fake CPU µs/req: the fake encoder's, read the same way (in every target, so the upstream's own cost can be compared too). The CPU ratios' target, ≤ 1.0, is the per-core counterpart of the req/s target (≥ 1.0). CPU per request is measured at whatever rate each target ran at; it falls somewhat as load rises (more events per wake-up), so compare it with the busy % of the server core(s)."
+  echo "Proxy CPU µs/req: the proxy's own utime+stime (fields 14 and 15 of /proc/PID/stat, all threads; clock ticks of 1/$CLK_TCK s) read just before and just after each measured wrk run, times 10^6 / CLK_TCK / requests completed in that run. Processes counted: encgate's pid$([ "$UNPARKED" = 1 ] && echo " (encgate-sync's own pid for it)"); nginx's master and its worker(s) (pgrep -P); HAProxy's pid (one process, nbthread $WORKERS). Direct has no proxy (—). Of it user µs/req: utime alone (field 14), the share spent outside the kernel$([ "$FLOOR" = 1 ] && echo "; floor's targets count the floor's one pid"). Fake CPU µs/req: the fake encoder's, read the same way (in every target, so the upstream's own cost can be compared too). The CPU ratios' target, ≤ 1.0, is the per-core counterpart of the req/s target (≥ 1.0). CPU per request is measured at whatever rate each target ran at; it falls somewhat as load rises (more events per wake-up), so compare it with the busy % of the server core(s)."
   echo
   echo "Busy %: share of the server and wrk cores busy during each measured run (median over rounds); server cores near 100% with wrk's below means what runs on the server cores ($([ "$LAYOUT" = split ] && echo "the proxy" || echo "fake + proxy")), not the wrk cores ($([ "$LAYOUT" = split ] && echo "wrk + fake" || echo "wrk")), was the limit. CPU outside the benchmark: other processes' CPU during the run (from /proc/*/stat), max over rounds."
   echo
