@@ -139,6 +139,9 @@ type pinWaiters struct {
 	// readFor); again: a placement message came meanwhile, so that read
 	// goes once more if it finds no pin.
 	reading, again bool
+	// poll reads the share again every Poll while they wait (armPoll):
+	// one timer and one read per req_id, however many wait for it.
+	poll clock.Timer
 }
 
 // NewPinTable returns a table holding up to bound pins (at least one) for
@@ -408,7 +411,53 @@ func (s *pinShard) wake(reqID string) {
 			go f()
 		}
 		delete(s.waiting, reqID)
+		w.stopPoll()
 	}
+}
+
+// leave takes one waiter off w (its wait ended without the pin: deadline,
+// done or stop); the last one takes w out of waiting. s.mu is held.
+func (s *pinShard) leave(reqID string, w *pinWaiters) {
+	if w.n--; w.n == 0 && s.waiting[reqID] == w {
+		delete(s.waiting, reqID)
+		w.stopPoll()
+	}
+}
+
+// stopPoll stops w's poll, once w is out of waiting; the shard's mu is
+// held. A poll already running finds w gone and does not arm again.
+func (w *pinWaiters) stopPoll() {
+	if w.poll != nil {
+		w.poll.Stop()
+		w.poll = nil
+	}
+}
+
+// armPoll arms w's poll if it has none, when the table has a share; s.mu
+// is held. Each Poll, while w waits, the share is read for all of w's
+// waiters at once (readFor: a pin found is stored, which wakes them), so
+// that a placement message lost to a reconnect is made up for: with
+// thousands of pulls waiting in a 504 storm, one read per req_id, not one
+// per pull.
+func (t *PinTable) armPoll(s *pinShard, reqID string, w *pinWaiters) {
+	if t.share == nil || w.poll != nil {
+		return
+	}
+	w.poll = t.clk.AfterFunc(t.share.Poll(), func() {
+		s.mu.Lock()
+		waits := s.waiting[reqID] == w
+		s.mu.Unlock()
+		if !waits {
+			return
+		}
+		t.readFor(s, reqID, w, false)
+		s.mu.Lock()
+		if s.waiting[reqID] == w {
+			w.poll = nil
+			t.armPoll(s, reqID, w)
+		}
+		s.mu.Unlock()
+	})
 }
 
 // link appends entry i to class c's list.
@@ -586,8 +635,9 @@ func (t *PinTable) LocalAt(reqID string, at time.Time) (Pin, bool) {
 // With a share, it waits as Wait does, with no goroutine of its own: the
 // share is read once the waiter is registered (on the caller's goroutine,
 // one read shared by the waiters that arrive together, see readFor), a
-// placement message wakes it, and a timer of the share's Poll reads the
-// share again while it waits, on the timer's goroutine.
+// placement message wakes it, and the req_id's poll (armPoll, one for all
+// its waiters) reads the share again every Poll while it waits, on the
+// timer's goroutine.
 func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context, fn func()) (now bool) {
 	if _, ok := t.Local(reqID); ok || d <= 0 {
 		return true
@@ -604,6 +654,7 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context,
 		s.waiting[reqID] = w
 	}
 	w.n++
+	t.armPoll(s, reqID, w)
 	fw := &funcWait{}
 	w.fns = append(w.fns, func() { // the pin came (wake)
 		if fw.fire() {
@@ -615,9 +666,7 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context,
 			return
 		}
 		s.mu.Lock()
-		if w.n--; w.n == 0 && s.waiting[reqID] == w {
-			delete(s.waiting, reqID)
-		}
+		s.leave(reqID, w)
 		s.mu.Unlock()
 		fn()
 	}
@@ -637,17 +686,16 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context,
 	if read {
 		t.readLoop(s, reqID, w) // stores a pin it finds, which wakes w
 	}
-	fw.pollEvery(t.clk, t.share.Poll(), func() bool { _, ok := t.fetch(reqID); return ok })
 	return false
 }
 
-// funcWait is one WaitFunc registration's state: fired once, by the pin,
-// the deadline or a poll's find, and its timers, which fire stops.
+// funcWait is one WaitFunc registration's state: fired once, by the pin
+// (a placement message or its req_id's poll may bring it), the deadline or
+// the caller's stop, and what it armed, which fire stops.
 type funcWait struct {
 	mu    sync.Mutex
 	fired bool
 	timer clock.Timer // the deadline's
-	poll  clock.Timer // the share's next read, while it waits
 	stop  func() bool // its registration on the caller's stop, if any
 }
 
@@ -663,29 +711,10 @@ func (fw *funcWait) fire() bool {
 	if fw.timer != nil {
 		fw.timer.Stop()
 	}
-	if fw.poll != nil {
-		fw.poll.Stop()
-	}
 	if fw.stop != nil {
 		fw.stop()
 	}
 	return true
-}
-
-// pollEvery runs read every d while the registration waits: a pin it finds
-// is stored, which wakes the waiter (a placement message lost to a
-// reconnect is found so).
-func (fw *funcWait) pollEvery(clk clock.Clock, d time.Duration, read func() bool) {
-	fw.mu.Lock()
-	defer fw.mu.Unlock()
-	if fw.fired {
-		return
-	}
-	fw.poll = clk.AfterFunc(d, func() {
-		if !read() {
-			fw.pollEvery(clk, d, read)
-		}
-	})
 }
 
 // Wait returns reqID's pin, waiting up to d for one to be set. It gives up
@@ -695,7 +724,8 @@ func (fw *funcWait) pollEvery(clk clock.Clock, d time.Duration, read func() bool
 // a placement published after that read wakes it; waiters of one req_id
 // that arrive while such a read is in flight share it, see readFor), then
 // on every message of the share's placement channel for reqID and every
-// Poll: a pin another replica wrote is found at once, never after d.
+// Poll (one read per req_id for all its waiters, armPoll): a pin another
+// replica wrote is found at once, never after d.
 func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pin, bool) {
 	if p, ok := t.Local(reqID); ok || d <= 0 {
 		if ok || t.share == nil {
@@ -716,6 +746,7 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 		s.waiting[reqID] = w
 	}
 	w.n++
+	t.armPoll(s, reqID, w)
 	// Decided in the lock that registers this waiter: a read in flight
 	// when it registers serves it too, even if that read ends before this
 	// goroutine runs on (see readFor).
@@ -726,41 +757,19 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 		t.readLoop(s, reqID, w) // stores a pin it finds, which closes w.ch
 	}
 
+	// Pub/sub wakes this waiter when another replica places the pin
+	// (Share); the req_id's poll (armPoll) covers a message lost to a
+	// reconnect.
 	timer := t.clk.NewTimer(d)
-	var poll <-chan time.Time
-	var pollTimer clock.Timer
-	if t.share != nil {
-		// Pub/sub wakes this waiter when another replica places the pin
-		// (Share); a poll covers a message lost to a reconnect.
-		pollTimer = t.clk.NewTimer(t.share.Poll())
-		poll = pollTimer.C()
-	}
-wait:
-	for {
-		select {
-		case <-w.ch:
-			break wait
-		case <-timer.C():
-			break wait
-		case <-done:
-			break wait
-		case <-poll:
-			if _, ok := t.fetch(reqID); ok {
-				break wait
-			}
-			pollTimer = t.clk.NewTimer(t.share.Poll())
-			poll = pollTimer.C()
-		}
+	select {
+	case <-w.ch:
+	case <-timer.C():
+	case <-done:
 	}
 	timer.Stop()
-	if pollTimer != nil {
-		pollTimer.Stop()
-	}
 
 	s.mu.Lock()
-	if w.n--; w.n == 0 && s.waiting[reqID] == w {
-		delete(s.waiting, reqID)
-	}
+	s.leave(reqID, w)
 	s.mu.Unlock()
 	return t.Local(reqID)
 }

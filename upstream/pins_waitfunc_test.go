@@ -200,3 +200,90 @@ func TestPinWaitFuncEndsOnStop(t *testing.T) {
 	default:
 	}
 }
+
+// The waiters of one req_id, parked (WaitFunc) and on goroutines (Wait),
+// share one poll of the share: one timer and one read per Poll, not one
+// per waiter (thousands of pulls wait in a 504 storm, TP ranks' pulls of
+// one part among them). The read that finds the pin wakes them all, and
+// nothing is left armed.
+func TestWaitersOfOneReqIDShareOnePoll(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1000, 0))
+	g := &gatedShare{gets: make(chan struct{}, 64), gate: make(chan bool), placed: make(chan func(string), 1),
+		pin: Pin{Encoder: "enc-1", EncoderID: 1, State: PinEncoded}}
+	tab := NewPinTable(time.Hour, 100, clk)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := tab.Share(ctx, polledShare{g, time.Second}, nil)
+	t.Cleanup(func() { cancel(); <-done })
+	<-g.placed
+	pendingReaches := func(n int) {
+		t.Helper()
+		for {
+			created := clk.TimerCreated()
+			if got := clk.Pending(); got == n {
+				return
+			} else if got > n {
+				t.Fatalf("%d timers armed, want %d: a poll per waiter?", got, n)
+			}
+			<-created
+		}
+	}
+	const parked, goroutines = 8, 2
+	woken := make(chan string, parked+goroutines)
+	for i := range parked {
+		ret := make(chan bool, 1)
+		go func() { ret <- tab.WaitFunc("p", time.Minute, nil, func() { woken <- "parked" }) }()
+		<-g.gets // each arrival's read at registration
+		g.gate <- false
+		if now := <-ret; now {
+			t.Fatalf("parked waiter %d went on at once", i)
+		}
+	}
+	for i := range goroutines {
+		go func() {
+			if p, ok := tab.Wait("p", time.Minute, nil); ok && p.Encoder == "enc-1" {
+				woken <- "goroutine"
+			} else {
+				woken <- "goroutine without the pin"
+			}
+		}()
+		<-g.gets
+		g.gate <- false
+		// Its deadline is armed once its read is over: the next waiter
+		// cannot share that read.
+		pendingReaches(parked + i + 1 + 1)
+	}
+	// A deadline for each waiter, and one poll for the req_id.
+	pendingReaches(parked + goroutines + 1)
+
+	// A poll that finds nothing reads once, and arms the next.
+	clk.Advance(time.Second)
+	<-g.gets
+	g.gate <- false
+	pendingReaches(parked + goroutines + 1)
+	select {
+	case <-g.gets:
+		t.Fatal("a second read in one poll")
+	default:
+	}
+
+	// The next finds the pin: every waiter is woken by its one read.
+	clk.Advance(time.Second)
+	<-g.gets
+	g.gate <- true
+	for range parked + goroutines {
+		if w := <-woken; w == "goroutine without the pin" {
+			t.Fatal(w)
+		}
+	}
+	if n := tab.Waiting(); n != 0 {
+		t.Fatalf("%d waiting after the pin came", n)
+	}
+	if n := clk.Pending(); n != 0 {
+		t.Fatalf("%d timers left after the pin came", n)
+	}
+	select {
+	case <-g.gets:
+		t.Fatal("the share was read again after the pin came")
+	default:
+	}
+}
