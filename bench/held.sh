@@ -41,7 +41,10 @@
 #
 # Usage:  N=4000 bash bench/held.sh      (root, or sudo for the apt-get step)
 # Environment (defaults in brackets):
-#   N            held pulls per proxy                                [4000]
+#   N            held pulls per proxy, at most 8000, or 16000 for rows
+#                whose descriptors fit RLIMIT_NOFILE 20000: direct, and
+#                encgate with TP >= 2 (N client connections and N/TP to
+#                the fake); nginx and HAProxy need 2N                [4000]
 #   TP           pulls per req_id, as a part's receiver TP ranks each
 #                pull its metadata; N must be a multiple. encgate sends
 #                one per part to the fake (affinity.metadata_cache), the
@@ -90,12 +93,23 @@ trap 'echo "held.sh: FAIL: unexpected error (exit $?) at line $LINENO: $BASH_COM
 log() { echo "== $*" >&2; }
 
 for v in N ROUNDS SETTLE HOLD RELEASE_C ARRIVE_C PORT_BASE; do [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
-((N >= 1 && N <= 8000)) || die "N must be 1..8000 (each proxy's 2N+ descriptors must fit a 20000 RLIMIT_NOFILE)"
+((N >= 1 && N <= 16000)) || die "N must be 1..16000"
+read -r -a PROXIES <<<"${PROXIES:-direct encgate encgate-unparked nginx haproxy}"
 ((ROUNDS >= 1 && ROUNDS <= 9)) || die "ROUNDS must be 1..9"
 ((RELEASE_C >= 1 && RELEASE_C <= 64)) || die "RELEASE_C must be 1..64"
 [[ -z $UNKNOWN_WAIT || $UNKNOWN_WAIT =~ ^[0-9]+(ms|s)$ ]] || die "UNKNOWN_WAIT must be a duration like 0s, 100ms or 5s, got '$UNKNOWN_WAIT'"
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-(($(ulimit -n) >= 2 * N + 1200)) || die "RLIMIT_NOFILE $(ulimit -n) is too small for N=$N (raise the hard limit)"
+# What each row holds open: the proxy's N client connections and its
+# connections to the fake (N for nginx and HAProxy; N/TP for encgate, which
+# forwards one pull per part), plus some to spare; direct, the fake's N.
+for px in "${PROXIES[@]}"; do
+  case $px in
+  direct) fds=$((N + 1200)) ;;
+  encgate*) fds=$((N + N / TP + 1200)) ;;
+  *) fds=$((2 * N + 1200)) ;;
+  esac
+  (($(ulimit -n) >= fds)) || die "RLIMIT_NOFILE $(ulimit -n) is too small for $px with N=$N TP=$TP: it holds about $fds descriptors (raise the hard limit, or leave $px out of PROXIES)"
+done
 
 export PATH="$PATH:/usr/sbin:/sbin"
 for cp in nginx:nginx haproxy:haproxy curl:curl taskset:util-linux ss:iproute2; do bench_apt_install "${cp%%:*}" "${cp#*:}"; done
@@ -137,6 +151,12 @@ go build -o "$TMP/heldclient" ./bench/heldclient || die "go build ./bench/heldcl
 # 503 (the long-poll refusal) at once, as it should. The connection bound
 # (which the descriptor budget counts) stays at what N needs.
 GW_LIM=$((N + 1024)) GW_INFL=$(((N * 4 + 2) / 3 + 1024)) GW_CONNS=$((N + 1024 > 10000 ? N + 1024 : 10000))
+if ((N > 8000)); then
+  # Over 8000 the bounds are what N/TP needs, so that the descriptor budget
+  # (limits.max_conns + upstream.max_conns_per_encoder + ...) fits
+  # RLIMIT_NOFILE 20000; the check below (--check) says so if it does not.
+  GW_LIM=$((N / TP + 512)) GW_CONNS=$((N + 512))
+fi
 cat >"$TMP/gateway.yaml" <<EOF
 # written by bench/held.sh: defaults but for the log level and the limits N needs
 listen: "127.0.0.1:$P_GW"
@@ -327,7 +347,6 @@ measure() { # proxy round
   log "$px round $r: RSS $before kB -> $after kB with $held held: $bpp B per pull; latency p50 $p50 us, p99 $p99 us; $line"
 }
 
-read -r -a PROXIES <<<"${PROXIES:-direct encgate encgate-unparked nginx haproxy}"
 for px in "${PROXIES[@]}"; do [ -n "${PORT_OF[$px]:-}" ] || die "unknown proxy '$px' in PROXIES"; done
 for ((round = 1; round <= ROUNDS; round++)); do
   for px in "${PROXIES[@]}"; do measure "$px" "$round"; done
