@@ -391,27 +391,23 @@ proxy_pids() {
   direct) echo ;;
   esac
 }
-# ticks PID... -> "ticks pids": utime+stime (fields 14, 15 of /proc/PID/stat,
-# all threads) summed, and the pids read; dies when one of them is gone.
-ticks() {
-  local p sum=0 v
+# stat_ticks user|all PID... -> utime (field 14 of /proc/PID/stat), or
+# utime+stime (fields 14, 15), of all threads, summed over the pids; dies
+# when one of them is gone.
+stat_ticks() {
+  local which=$1 p sum=0 v
+  shift
   for p in "$@"; do
-    v=$(awk '{ sub(/^.*\) /, ""); split($0, f, " "); print f[12] + f[13] }' "/proc/$p/stat" 2>/dev/null) || true
-    [[ $v =~ ^[0-9]+$ ]] || die "cannot read /proc/$p/stat ($(comm_of "$p")): the process is gone"
-    sum=$((sum + v))
-  done
-  echo "$sum $*"
-}
-# uticks PID... -> utime (field 14) summed: the user-space share of ticks
-uticks() {
-  local p sum=0 v
-  for p in "$@"; do
-    v=$(awk '{ sub(/^.*\) /, ""); split($0, f, " "); print f[12] }' "/proc/$p/stat" 2>/dev/null) || true
+    v=$(awk -v w="$which" '{ sub(/^.*\) /, ""); split($0, f, " "); print (w == "user") ? f[12] : f[12] + f[13] }' "/proc/$p/stat" 2>/dev/null) || true
     [[ $v =~ ^[0-9]+$ ]] || die "cannot read /proc/$p/stat ($(comm_of "$p")): the process is gone"
     sum=$((sum + v))
   done
   echo "$sum"
 }
+# ticks PID... -> "ticks pids": utime+stime summed, and the pids read
+ticks() { echo "$(stat_ticks all "$@") $*"; }
+# uticks PID... -> utime summed: the user-space share of ticks
+uticks() { stat_ticks user "$@"; }
 # us_per_req ticks_before ticks_after requests -> CPU µs per request
 us_per_req() {
   awk -v a="$1" -v b="$2" -v n="$3" -v hz="$CLK_TCK" 'BEGIN { printf "%.2f", (b - a) * 1e6 / hz / n }'

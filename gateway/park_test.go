@@ -359,32 +359,62 @@ func TestPullsWaitingForTheirPinPark(t *testing.T) {
 	const n = 50
 	encs := startFakes(t, 1, nil)
 	g := startGateway(t, fakeURLs(encs), func(c *Config) { c.Affinity.UnknownWait = configfile.Duration(time.Minute) })
-	pl := g.Pool().Poller()
+	pulls := earlyPulls(t, g, n, "early")
+	if got := encs[0].Stats().Routes["/scheduler_receive_meta_data"]; got != 0 {
+		t.Fatalf("the encoder saw %d pulls before their /encode", got)
+	}
+	encodeEach(t, g, pulls)
+	eachAnsweredWithItsPart(t, pulls)
+	nothingWaiting(t, g)
+}
+
+// earlyPulls posts n pulls to g, each for a part of its own whose /encode
+// has not come (prefix-<i>_local_part_0), and waits until every one waits
+// for its pin with its client watched, none in the request path.
+func earlyPulls(t *testing.T, g *gw, n int, prefix string) map[string]<-chan result {
+	t.Helper()
 	pulls := map[string]<-chan result{}
 	for i := range n {
-		id := fmt.Sprintf("early-%d_local_part_0", i)
+		id := fmt.Sprintf("%s-%d_local_part_0", prefix, i)
 		pulls[id] = postAsync(g.base+"/scheduler_receive_meta_data", metaBody(id))
 	}
+	pl := g.Pool().Poller()
 	eventually(t, "every pull waiting for its pin, its client watched", func() bool {
-		return metricValue(t, g, "encgate_pin_waiters") == n && pl.Armed() == n
+		return metricValue(t, g, "encgate_pin_waiters") == float64(n) && pl.Armed() == n
 	})
 	if k := requestGoroutines(t); k != 0 {
 		t.Fatalf("%d goroutines in the request path with %d pulls waiting for their pins, want 0", k, n)
 	}
-	if got := encs[0].Stats().Routes["/scheduler_receive_meta_data"]; got != 0 {
-		t.Fatalf("the encoder saw %d pulls before their /encode", got)
-	}
+	return pulls
+}
+
+// encodeEach posts each pull's /encode to g.
+func encodeEach(t *testing.T, g *gw, pulls map[string]<-chan result) {
+	t.Helper()
 	for id := range pulls {
 		if a := post(t, g.base+"/encode", encodeBody(id)); a.status != http.StatusOK {
 			t.Fatalf("/encode %s: %d %s", id, a.status, a.body)
 		}
 	}
+}
+
+// eachAnsweredWithItsPart waits for every pull's answer: 200, naming its
+// own req_id.
+func eachAnsweredWithItsPart(t *testing.T, pulls map[string]<-chan result) {
+	t.Helper()
 	for id, ch := range pulls {
 		r := <-ch
 		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
 			t.Fatalf("pull %s: %v %d %s", id, r.err, r.a.status, r.a.body)
 		}
 	}
+}
+
+// nothingWaiting waits until no pull waits on g for its pin, is parked or
+// is watched.
+func nothingWaiting(t *testing.T, g *gw) {
+	t.Helper()
+	pl := g.Pool().Poller()
 	eventually(t, "nothing waiting, parked or watched", func() bool {
 		return metricValue(t, g, "encgate_pin_waiters") == 0 && metricValue(t, g, "encgate_upstream_parked") == 0 && pl.Armed() == 0
 	})
@@ -445,32 +475,10 @@ func TestPullsWaitingForASharedPinPark(t *testing.T) {
 		})
 	}
 	waiting, placing := gws[0], gws[1]
-	pl := waiting.Pool().Poller()
-	pulls := map[string]<-chan result{}
-	for i := range n {
-		id := fmt.Sprintf("shared-early-%d_local_part_0", i)
-		pulls[id] = postAsync(waiting.base+"/scheduler_receive_meta_data", metaBody(id))
-	}
-	eventually(t, "every pull waiting for its pin, its client watched", func() bool {
-		return metricValue(t, waiting, "encgate_pin_waiters") == n && pl.Armed() == n
-	})
-	if k := requestGoroutines(t); k != 0 {
-		t.Fatalf("%d goroutines in the request path with %d pulls waiting for shared pins, want 0", k, n)
-	}
-	for id := range pulls {
-		if a := post(t, placing.base+"/encode", encodeBody(id)); a.status != http.StatusOK {
-			t.Fatalf("/encode %s on the other replica: %d %s", id, a.status, a.body)
-		}
-	}
-	for id, ch := range pulls {
-		r := <-ch
-		if r.err != nil || r.a.status != http.StatusOK || !strings.Contains(r.a.body, id) {
-			t.Fatalf("pull %s: %v %d %s", id, r.err, r.a.status, r.a.body)
-		}
-	}
-	eventually(t, "nothing waiting, parked or watched", func() bool {
-		return metricValue(t, waiting, "encgate_pin_waiters") == 0 && metricValue(t, waiting, "encgate_upstream_parked") == 0 && pl.Armed() == 0
-	})
+	pulls := earlyPulls(t, waiting, n, "shared-early")
+	encodeEach(t, placing, pulls) // on the other replica
+	eachAnsweredWithItsPart(t, pulls)
+	nothingWaiting(t, waiting)
 }
 
 // A slow /encode (GEN1 answers once the part is encoded) parks like a long

@@ -433,6 +433,24 @@ func (w *pinWaiters) stopPoll() {
 	}
 }
 
+// registerLocked adds a waiter for reqID's pin (s.mu is held), with the
+// req_id's poll armed, and says whether that waiter reads the share itself
+// once s.mu is let go. That is decided in the lock that registers it: a
+// read in flight when it registers serves it too, even if that read ends
+// before the waiter runs on (see readFor).
+func (t *PinTable) registerLocked(s *pinShard, reqID string) (w *pinWaiters, read bool) {
+	w = s.waiting[reqID]
+	if w == nil {
+		w = &pinWaiters{ch: make(chan struct{})}
+		s.waiting[reqID] = w
+	}
+	w.n++
+	t.armPoll(s, reqID, w)
+	read = t.share != nil && !w.reading
+	w.reading = w.reading || read
+	return w, read
+}
+
 // armPoll arms w's poll if it has none, when the table has a share; s.mu
 // is held. Each Poll, while w waits, the share is read for all of w's
 // waiters at once (readFor: a pin found is stored, which wakes them), so
@@ -648,13 +666,7 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context,
 		s.mu.Unlock()
 		return true
 	}
-	w := s.waiting[reqID]
-	if w == nil {
-		w = &pinWaiters{ch: make(chan struct{})}
-		s.waiting[reqID] = w
-	}
-	w.n++
-	t.armPoll(s, reqID, w)
+	w, read := t.registerLocked(s, reqID)
 	fw := &funcWait{}
 	w.fns = append(w.fns, func() { // the pin came (wake)
 		if fw.fire() {
@@ -676,13 +688,7 @@ func (t *PinTable) WaitFunc(reqID string, d time.Duration, stop context.Context,
 		fw.stop = context.AfterFunc(stop, gaveUp)
 	}
 	fw.mu.Unlock()
-	// As in Wait: decided in the lock that registers this waiter.
-	read := t.share != nil && !w.reading
-	w.reading = w.reading || read
 	s.mu.Unlock()
-	if t.share == nil {
-		return false
-	}
 	if read {
 		t.readLoop(s, reqID, w) // stores a pin it finds, which wakes w
 	}
@@ -740,18 +746,7 @@ func (t *PinTable) Wait(reqID string, d time.Duration, done <-chan struct{}) (Pi
 		s.mu.Unlock()
 		return p, true
 	}
-	w := s.waiting[reqID]
-	if w == nil {
-		w = &pinWaiters{ch: make(chan struct{})}
-		s.waiting[reqID] = w
-	}
-	w.n++
-	t.armPoll(s, reqID, w)
-	// Decided in the lock that registers this waiter: a read in flight
-	// when it registers serves it too, even if that read ends before this
-	// goroutine runs on (see readFor).
-	read := t.share != nil && !w.reading
-	w.reading = w.reading || read
+	w, read := t.registerLocked(s, reqID)
 	s.mu.Unlock()
 	if read {
 		t.readLoop(s, reqID, w) // stores a pin it finds, which closes w.ch
