@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -72,21 +71,6 @@ func closeAll(cs []net.Conn) {
 	for _, c := range cs {
 		_ = c.Close()
 	}
-}
-
-// metricValue is the value of the one series of /metrics text that starts
-// with series (name and labels as Prometheus writes them); -1 if absent.
-func metricValue(t *testing.T, text, series string) float64 {
-	t.Helper()
-	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindStringSubmatch(text)
-	if m == nil {
-		return -1
-	}
-	v, err := strconv.ParseFloat(m[1], 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return v
 }
 
 func (p *gatewayProc) logLines(msg string, field, value string) int {
